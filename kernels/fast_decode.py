@@ -1,0 +1,164 @@
+"""SFI fast-step decode attention (one launch + split-K reduce).
+
+Each program handles one (request, KV head, split). It loads the whole GQA group of
+queries once, then streams a *virtual* sequence made of
+
+  [0, packed_len)                 the packed sinks + selected tokens, contiguous in
+                                  packed_k/packed_v[pool, h, :, :]
+  [packed_len, packed_len + Lw)   the recent window, positions [win_start, seq_len),
+                                  read in place through req_to_token
+
+with one online softmax over both. Splits cut the virtual sequence into equal chunks
+(per request, so ragged lengths balance), and a small reduce kernel merges them.
+
+Index conventions:
+  req_pool_indices [B]   request pool slot of each batch row
+  seq_lens         [B]   context length incl. the current token (its KV already written)
+  win_start        [B]   first window position of each batch row (per batch row, like
+                         seq_lens; gather it from per-pool state with req_pool_indices)
+  packed_len  [max_reqs] valid packed entries, indexed by pool slot (like packed_k)
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (LOG2E, _online_update, _write_result, choose_num_splits, next_pow2,
+                      splitk_reduce, use_triton)
+
+
+@triton.jit
+def _fast_decode_kernel(
+    Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Win_start,
+    Packed_k, Packed_v, Packed_len, qk_scale_log2,
+    Out, Mid_o, Mid_lse,
+    stride_qb, stride_qh,
+    stride_kcs, stride_kch, stride_vcs, stride_vch,
+    stride_rt,
+    stride_pkr, stride_pkh, stride_pkp,
+    stride_pvr, stride_pvh, stride_pvp,
+    stride_ob, stride_oh,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+
+    pool = tl.load(Req_pool_indices + b).to(tl.int64)
+    seq_len = tl.load(Seq_lens + b).to(tl.int32)
+    ws = tl.maximum(tl.load(Win_start + b).to(tl.int32), 0)
+    lp = tl.load(Packed_len + pool).to(tl.int32)
+    lw = tl.maximum(seq_len - ws, 0)
+    total = lp + lw
+    chunk = tl.cdiv(tl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = s * chunk
+    end = tl.minimum(start + chunk, total)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_nb = tl.arange(0, BLOCK_N)
+    mask_g = offs_g < G
+    mask_d = offs_d < D
+    hq = h * G + offs_g
+    q = tl.load(Q + b * stride_qb + hq[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+
+    # 1) packed region [start, min(end, lp)) -- contiguous rows.
+    pk_base = Packed_k + pool * stride_pkr + h * stride_pkh
+    pv_base = Packed_v + pool * stride_pvr + h * stride_pvh
+    p_hi = tl.minimum(end, lp)
+    for n0 in range(start, p_hi, BLOCK_N):
+        offs_n = n0 + offs_nb
+        mask_n = offs_n < p_hi
+        mkd = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(pk_base + offs_n[:, None] * stride_pkp + offs_d[None, :], mask=mkd, other=0.0)
+        v = tl.load(pv_base + offs_n[:, None] * stride_pvp + offs_d[None, :], mask=mkd, other=0.0)
+        m_i, l_i, acc, _qk = _online_update(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, IEEE)
+
+    # 2) window region, window-relative offsets [max(start, lp) - lp, end - lp).
+    w_lo = tl.maximum(start, lp) - lp
+    w_hi = end - lp
+    rt_base = Req_to_token + pool * stride_rt + ws
+    for n0 in range(w_lo, w_hi, BLOCK_N):
+        offs_n = n0 + offs_nb
+        mask_n = offs_n < w_hi
+        slot = tl.load(rt_base + offs_n, mask=mask_n, other=0).to(tl.int64)
+        mkd = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(K_cache + slot[:, None] * stride_kcs + h * stride_kch + offs_d[None, :],
+                    mask=mkd, other=0.0)
+        v = tl.load(V_cache + slot[:, None] * stride_vcs + h * stride_vch + offs_d[None, :],
+                    mask=mkd, other=0.0)
+        m_i, l_i, acc, _qk = _online_update(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, IEEE)
+
+    _write_result(Out, Mid_o, Mid_lse, b, s, hq, mask_g, offs_d, mask_d, m_i, l_i, acc,
+                  stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                  NUM_SPLITS)
+
+
+def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, win_start,
+                packed_k, packed_v, packed_len, sm_scale, out=None, num_splits=None,
+                max_window=None, block_n=None, num_warps=None, num_stages=None):
+    """SFI fast-step attention. q [B,H_q,D]; k_cache/v_cache [slots,H_kv,D];
+    packed_k/packed_v [max_reqs,H_kv,P,D]. Returns out [B,H_q,D] (q.dtype).
+
+    num_splits: split-K count; None chooses it from the work size (P + max_window,
+    max_window defaulting to 512) and the SM count, without reading device values, so
+    the call is CUDA-graph safe.
+    """
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    assert Hq % Hkv == 0, "H_q must be a multiple of H_kv"
+    G = Hq // Hkv
+    if out is None:
+        out = torch.empty_like(q)
+    if B == 0:
+        return out
+    if not use_triton(q):
+        from .reference import ref_fast_decode
+        return ref_fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                               win_start, packed_k, packed_v, packed_len, sm_scale, out=out)
+    assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
+    assert packed_k.stride(3) == 1 and packed_v.stride(3) == 1 and out.stride(2) == 1
+    P = packed_k.shape[2]
+    BLOCK_N = block_n or 64
+    if num_splits is None:
+        num_splits = choose_num_splits(B * Hkv, P + (max_window or 512), BLOCK_N, q.device)
+    BLOCK_G = max(16, next_pow2(G))
+    BLOCK_D = max(16, next_pow2(D))
+    ieee = q.dtype == torch.float32
+    if num_splits > 1:
+        mid_o = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        mid_o, mid_lse = out, out  # unused
+    if num_warps is None:
+        num_warps = 4
+    if num_stages is None:
+        num_stages = 2
+    grid = (B, Hkv, num_splits)
+    _fast_decode_kernel[grid](
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, win_start,
+        packed_k, packed_v, packed_len, float(sm_scale) * LOG2E,
+        out, mid_o, mid_lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0),
+        packed_k.stride(0), packed_k.stride(1), packed_k.stride(2),
+        packed_v.stride(0), packed_v.stride(1), packed_v.stride(2),
+        out.stride(0), out.stride(1),
+        mid_o.stride(0) if num_splits > 1 else 0, mid_o.stride(1) if num_splits > 1 else 0,
+        mid_o.stride(2) if num_splits > 1 else 0,
+        mid_lse.stride(0) if num_splits > 1 else 0, mid_lse.stride(1) if num_splits > 1 else 0,
+        G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+        NUM_SPLITS=num_splits, IEEE=ieee,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        splitk_reduce(mid_o, mid_lse, out, num_splits)
+    return out

@@ -1,0 +1,72 @@
+"""SFI re-packing: copy the selected tokens' K/V (per KV head) into the contiguous
+packed buffers at [req_pool_indices[i], h, :, :].
+
+positions [b, H_kv, P] int: token positions per entry, -1 = unused. Valid entries must
+form a prefix (packed_len counts them); entries with -1 are left untouched. One program
+per (request, KV head, block of entries), vectorized over D; writes are contiguous rows.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import next_pow2, use_triton
+
+
+@triton.jit
+def _pack_kernel(
+    K_cache, V_cache, Req_to_token, Req_pool_indices, Positions, Packed_k, Packed_v,
+    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_rt,
+    stride_pob, stride_poh,
+    stride_pkr, stride_pkh, stride_pkp,
+    stride_pvr, stride_pvh, stride_pvp,
+    P,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    pb = tl.program_id(2)
+    pool = tl.load(Req_pool_indices + i).to(tl.int64)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_p = offs_p < P
+    mask_d = offs_d < D
+    pos = tl.load(Positions + i * stride_pob + h * stride_poh + offs_p, mask=mask_p, other=-1)
+    valid = mask_p & (pos >= 0)
+    slot = tl.load(Req_to_token + pool * stride_rt + pos, mask=valid, other=0).to(tl.int64)
+    m = valid[:, None] & mask_d[None, :]
+    k = tl.load(K_cache + slot[:, None] * stride_kcs + h * stride_kch + offs_d[None, :], mask=m)
+    v = tl.load(V_cache + slot[:, None] * stride_vcs + h * stride_vch + offs_d[None, :], mask=m)
+    tl.store(Packed_k + pool * stride_pkr + h * stride_pkh + offs_p[:, None] * stride_pkp
+             + offs_d[None, :], k.to(Packed_k.dtype.element_ty), mask=m)
+    tl.store(Packed_v + pool * stride_pvr + h * stride_pvh + offs_p[:, None] * stride_pvp
+             + offs_d[None, :], v.to(Packed_v.dtype.element_ty), mask=m)
+
+
+def pack(k_cache, v_cache, req_to_token, req_pool_indices, positions, packed_k, packed_v,
+         block_p=None, num_warps=None):
+    """Copy K/V of `positions` [b,H_kv,P'] (P' <= P, -1 unused) into packed_k/packed_v
+    [max_reqs,H_kv,P,D] at pool slots req_pool_indices[b]. Returns (packed_k, packed_v)."""
+    nb, Hkv, Pp = positions.shape
+    D = k_cache.shape[2]
+    assert Pp <= packed_k.shape[2] and Hkv == k_cache.shape[1]
+    if nb == 0 or Pp == 0:
+        return packed_k, packed_v
+    if not use_triton(k_cache):
+        from .reference import ref_pack
+        return ref_pack(k_cache, v_cache, req_to_token, req_pool_indices, positions,
+                        packed_k, packed_v)
+    assert positions.stride(2) == 1 and k_cache.stride(2) == 1 and packed_k.stride(3) == 1
+    BLOCK_D = max(16, next_pow2(D))
+    BLOCK_P = block_p or max(16, min(128, 8192 // BLOCK_D))
+    grid = (nb, Hkv, triton.cdiv(Pp, BLOCK_P))
+    _pack_kernel[grid](
+        k_cache, v_cache, req_to_token, req_pool_indices, positions, packed_k, packed_v,
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0),
+        positions.stride(0), positions.stride(1),
+        packed_k.stride(0), packed_k.stride(1), packed_k.stride(2),
+        packed_v.stride(0), packed_v.stride(1), packed_v.stride(2),
+        Pp, D=D, BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P, num_warps=num_warps or 4,
+    )
+    return packed_k, packed_v

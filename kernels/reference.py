@@ -1,0 +1,107 @@
+"""Pure-torch references for the SFI kernels (float64 by default).
+
+These double as the CPU implementation: vectorized gathers per request (no per-token
+Python loops). `compute_dtype` selects the arithmetic precision (float64 for checks,
+float32 is fine for a CPU backend). If `out` (or `scores_out`) is given the result is
+copied into it (cast to its dtype) and returned; otherwise results are in compute_dtype.
+"""
+
+import torch
+
+
+def _attend(qb, keys, vals, sm_scale, G):
+    """qb [H_q, D]; keys/vals [H_kv, L, D] -> (out [H_q, D], logits [H_q, L])."""
+    Hkv, L, D = keys.shape
+    qg = qb.view(Hkv, G, D)
+    logits = torch.einsum("hgd,hld->hgl", qg, keys) * sm_scale
+    if L == 0:
+        return torch.zeros_like(qb), logits.reshape(Hkv * G, 0)
+    p = torch.softmax(logits, dim=-1)
+    o = torch.einsum("hgl,hld->hgd", p, vals)
+    return o.reshape(Hkv * G, D), logits.reshape(Hkv * G, L)
+
+
+def _finish(result, out):
+    if out is None:
+        return result
+    out.copy_(result.to(out.dtype))
+    return out
+
+
+def ref_fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, win_start,
+                    packed_k, packed_v, packed_len, sm_scale, out=None,
+                    compute_dtype=torch.float64, **_ignored):
+    """Attention of q over packed[pool, h, :packed_len[pool]] + window [win_start, seq_len)."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = Hq // Hkv
+    cd = compute_dtype
+    res = torch.empty((B, Hq, D), dtype=cd, device=q.device)
+    rpi = req_pool_indices.tolist()
+    sl = seq_lens.tolist()
+    ws = win_start.tolist()
+    for b in range(B):
+        pool = int(rpi[b])
+        lp = int(packed_len[pool])
+        w0 = max(int(ws[b]), 0)
+        w1 = max(int(sl[b]), w0)
+        slots = req_to_token[pool, w0:w1].long()
+        keys = torch.cat([packed_k[pool, :, :lp].to(cd), k_cache[slots].to(cd).transpose(0, 1)], 1)
+        vals = torch.cat([packed_v[pool, :, :lp].to(cd), v_cache[slots].to(cd).transpose(0, 1)], 1)
+        res[b], _ = _attend(q[b].to(cd), keys, vals, sm_scale, G)
+    return _finish(res, out)
+
+
+def ref_dense_decode_with_scores(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                                 sm_scale, scores_out=None, out=None, compute_dtype=torch.float64,
+                                 n_max=None, **_ignored):
+    """Dense attention over [0, seq_len) + raw logits q.k*sm_scale ([B,H_q,N_max], -inf past
+    seq_len). Returns (out, scores)."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = Hq // Hkv
+    cd = compute_dtype
+    sl = seq_lens.tolist()
+    if scores_out is not None:
+        n_max = scores_out.shape[2]
+    elif n_max is None:
+        n_max = max(sl) if B else 0
+    res = torch.empty((B, Hq, D), dtype=cd, device=q.device)
+    scores = torch.full((B, Hq, n_max), float("-inf"), dtype=cd, device=q.device)
+    rpi = req_pool_indices.tolist()
+    for b in range(B):
+        pool = int(rpi[b])
+        n = int(sl[b])
+        slots = req_to_token[pool, :n].long()
+        keys = k_cache[slots].to(cd).transpose(0, 1)
+        vals = v_cache[slots].to(cd).transpose(0, 1)
+        res[b], logits = _attend(q[b].to(cd), keys, vals, sm_scale, G)
+        scores[b, :, :n] = logits
+    return _finish(res, out), _finish(scores, scores_out)
+
+
+def ref_pack(k_cache, v_cache, req_to_token, req_pool_indices, positions, packed_k, packed_v,
+             **_ignored):
+    """packed[pool_i, h, p] = cache[req_to_token[pool_i, positions[i,h,p]], h] where
+    positions >= 0; other entries untouched. In place; returns (packed_k, packed_v)."""
+    nb, Hkv, Pp = positions.shape
+    rpi = req_pool_indices.tolist()
+    heads = torch.arange(Hkv, device=positions.device).view(Hkv, 1).expand(Hkv, Pp)
+    ent = torch.arange(Pp, device=positions.device).view(1, Pp).expand(Hkv, Pp)
+    for i in range(nb):
+        pool = int(rpi[i])
+        pos = positions[i].long()
+        valid = pos >= 0
+        if not bool(valid.any()):
+            continue
+        h = heads[valid]
+        slots = req_to_token[pool].long()[pos[valid]]
+        e = ent[valid]
+        packed_k[pool, h, e] = k_cache[slots, h].to(packed_k.dtype)
+        packed_v[pool, h, e] = v_cache[slots, h].to(packed_v.dtype)
+    return packed_k, packed_v
+
+
+def ref_store_key_norms(k, cache_loc, norms_pool, **_ignored):
+    norms_pool[cache_loc.long()] = torch.linalg.vector_norm(k.double(), dim=-1).to(norms_pool.dtype)
+    return norms_pool

@@ -1,0 +1,169 @@
+"""SFI slow-step decode: dense flash-decoding (split-K) attention over the whole history
+that also writes the raw scaled logits q.k*sm_scale of every position (the Selector's
+evidence) in the same pass over KV.
+
+scores [B, H_q, N_max] float32: positions < seq_len hold the logits, positions in
+[seq_len, N_max) are written as -inf by the same launch (no separate fill pass).
+Extra bytes: scores write = G*4 bytes per (token, KV head) against 2*D*elt bytes of K+V
+read, i.e. 16 vs 512 bytes (3.1%) at G=4, D=128, bf16.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (LOG2E, _online_update, _write_result, choose_num_splits, next_pow2,
+                      splitk_reduce, use_triton)
+
+
+@triton.jit
+def _dense_scores_kernel(
+    Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, qk_scale_log2,
+    Out, Mid_o, Mid_lse, Scores,
+    stride_qb, stride_qh,
+    stride_kcs, stride_kch, stride_vcs, stride_vch,
+    stride_rt,
+    stride_ob, stride_oh,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    stride_sb, stride_sh, N_max,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    WRITE_SCORES: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+
+    pool = tl.load(Req_pool_indices + b).to(tl.int64)
+    seq_len = tl.load(Seq_lens + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = s * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_nb = tl.arange(0, BLOCK_N)
+    mask_g = offs_g < G
+    mask_d = offs_d < D
+    hq = h * G + offs_g
+    q = tl.load(Q + b * stride_qb + hq[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+
+    rt_base = Req_to_token + pool * stride_rt
+    sc_base = Scores + b * stride_sb + hq[:, None] * stride_sh
+    inv_log2e = 1.0 / 1.4426950408889634
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + offs_nb
+        mask_n = offs_n < end
+        slot = tl.load(rt_base + offs_n, mask=mask_n, other=0).to(tl.int64)
+        mkd = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(K_cache + slot[:, None] * stride_kcs + h * stride_kch + offs_d[None, :],
+                    mask=mkd, other=0.0)
+        v = tl.load(V_cache + slot[:, None] * stride_vcs + h * stride_vch + offs_d[None, :],
+                    mask=mkd, other=0.0)
+        m_i, l_i, acc, qk = _online_update(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, IEEE)
+        if WRITE_SCORES:
+            tl.store(sc_base + offs_n[None, :], qk * inv_log2e,
+                     mask=mask_g[:, None] & mask_n[None, :])
+
+    if WRITE_SCORES:
+        # Tail [seq_len, N_max) -> -inf, split evenly over the NUM_SPLITS programs.
+        tail = tl.maximum(N_max - seq_len, 0)
+        tchunk = tl.cdiv(tl.cdiv(tail, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        t_lo = seq_len + s * tchunk
+        t_hi = tl.minimum(t_lo + tchunk, N_max)
+        neg = tl.full([BLOCK_G, BLOCK_N], float("-inf"), dtype=tl.float32)
+        for n0 in range(t_lo, t_hi, BLOCK_N):
+            offs_n = n0 + offs_nb
+            tl.store(sc_base + offs_n[None, :], neg,
+                     mask=mask_g[:, None] & (offs_n < t_hi)[None, :])
+
+    _write_result(Out, Mid_o, Mid_lse, b, s, hq, mask_g, offs_d, mask_d, m_i, l_i, acc,
+                  stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                  NUM_SPLITS)
+
+
+def _dense_launch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
+                  out, scores, write_scores, num_splits, max_len, block_n, num_warps, num_stages):
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = Hq // Hkv
+    BLOCK_N = block_n or 64
+    if num_splits is None:
+        num_splits = choose_num_splits(B * Hkv, max_len, BLOCK_N, q.device,
+                                       min_blocks_per_split=4, max_splits=128)
+    BLOCK_G = max(16, next_pow2(G))
+    BLOCK_D = max(16, next_pow2(D))
+    ieee = q.dtype == torch.float32
+    if num_splits > 1:
+        mid_o = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        mid_o, mid_lse = out, out
+    sc = scores if write_scores else out
+    grid = (B, Hkv, num_splits)
+    _dense_scores_kernel[grid](
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, float(sm_scale) * LOG2E,
+        out, mid_o, mid_lse, sc,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0),
+        out.stride(0), out.stride(1),
+        mid_o.stride(0) if num_splits > 1 else 0, mid_o.stride(1) if num_splits > 1 else 0,
+        mid_o.stride(2) if num_splits > 1 else 0,
+        mid_lse.stride(0) if num_splits > 1 else 0, mid_lse.stride(1) if num_splits > 1 else 0,
+        sc.stride(0) if write_scores else 0, sc.stride(1) if write_scores else 0,
+        scores.shape[2] if write_scores else 0,
+        G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+        NUM_SPLITS=num_splits, IEEE=ieee, WRITE_SCORES=write_scores,
+        num_warps=num_warps or 4, num_stages=num_stages or 2,
+    )
+    if num_splits > 1:
+        splitk_reduce(mid_o, mid_lse, out, num_splits)
+    return out
+
+
+def dense_decode_with_scores(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                             sm_scale, scores_out=None, out=None, num_splits=None, max_len=None,
+                             block_n=None, num_warps=None, num_stages=None):
+    """Dense decode attention + raw scaled logits. Returns (out [B,H_q,D], scores
+    [B,H_q,N_max] float32). N_max = scores_out.shape[2] if given, else max_len if given,
+    else max(seq_lens) (a host sync; slow steps run eagerly)."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    assert Hq % Hkv == 0
+    if out is None:
+        out = torch.empty_like(q)
+    if scores_out is None:
+        n_max = max_len if max_len is not None else (int(seq_lens.max()) if B > 0 else 0)
+        scores_out = torch.empty((B, Hq, n_max), dtype=torch.float32, device=q.device)
+    assert scores_out.dtype == torch.float32 and scores_out.stride(2) == 1
+    if B == 0:
+        return out, scores_out
+    if not use_triton(q):
+        from .reference import ref_dense_decode_with_scores
+        return ref_dense_decode_with_scores(q, k_cache, v_cache, req_to_token, req_pool_indices,
+                                            seq_lens, sm_scale, scores_out=scores_out, out=out)
+    if max_len is None:
+        max_len = scores_out.shape[2]
+    _dense_launch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
+                  out, scores_out, True, num_splits, max_len, block_n, num_warps, num_stages)
+    return out, scores_out
+
+
+def dense_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
+                 out=None, num_splits=None, max_len=None, block_n=None, num_warps=None,
+                 num_stages=None):
+    """Same kernel without the score write (used by the benchmark to price the scores)."""
+    if out is None:
+        out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    if max_len is None:
+        max_len = int(seq_lens.max())
+    return _dense_launch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
+                         out, None, False, num_splits, max_len, block_n, num_warps, num_stages)
