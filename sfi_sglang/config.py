@@ -1,0 +1,187 @@
+"""SFIConfig: every knob of Slow-Fast Inference in one frozen dataclass.
+
+Each field `x` has a CLI name `--sfi-x` (underscores become dashes); validation
+errors name the option in that form so a user can fix the command line directly.
+Per-request overrides (custom_params["sfi"]) go through `SFIConfig.from_dict` /
+`replace`, which reject unknown keys. The key "enabled" is not a field: the caller
+strips it before calling `from_dict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+
+class SFIConfigError(ValueError):
+    """An invalid SFI option; the message names the option in CLI form."""
+
+
+def cli_name(field_name: str) -> str:
+    """`min_gap` -> `--sfi-min-gap`."""
+    return "--sfi-" + field_name.replace("_", "-")
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """"0,1" -> (0, 1); "" or "none" -> (). Duplicates are removed, order is sorted."""
+    text = text.strip()
+    if text == "" or text.lower() == "none":
+        return ()
+    out = []
+    for piece in text.split(","):
+        piece = piece.strip()
+        try:
+            out.append(int(piece))
+        except ValueError:
+            raise SFIConfigError(
+                f"{cli_name('dense_layers')} must be a comma-separated list of layer "
+                f"indices (or 'none'), got {text!r}") from None
+    return tuple(sorted(set(out)))
+
+
+@dataclass(frozen=True)
+class SFIConfig:
+    # sparse memory shape (per KV head): S sinks + W window + K selected
+    sinks: int = 4
+    window: int = 256
+    budget: int = 2048
+    # trigger policy (see boundary.TriggerPolicy)
+    min_gap: int = 16
+    cooldown: int = 2
+    max_interval: int = 96
+    refresh: str = "boundary"            # "boundary" | "interval" (ablation)
+    boundaries: str = "default"          # spec string, see boundary.parse_boundary_spec
+    # layers that always run dense attention
+    dense_layers: tuple[int, ...] = (0, 1)
+    # last prompt query rows used for the bootstrap selection at the end of prefill
+    bootstrap_rows: int = 8
+    # selector (see selector.py; names follow SFI_SPEC.md)
+    fusion: str = "arithmetic"           # "arithmetic" | "geometric"
+    alpha: float = 0.5
+    key_norm_gamma: float = 0.5
+    w_l2: float = 1.0
+    w_pos: float = 0.7
+    pos_power: float = 1.8
+    pos_tail: float = 0.4
+    pos_beta: float = -math.log(0.6) / 0.9
+    lambda_max_single: float = 0.35
+    lambda_max_multi: float = 0.25
+    nms_radius: int = 16
+    nms_strength: float = 1.0
+    excl_temperature: float = 2.0
+    excl_strength: float = 0.85
+    # ablation switches
+    use_prior: bool = True
+    use_nms: bool = True
+    use_exclusivity: bool = True
+
+    def __post_init__(self):
+        # Normalise convenient input forms (CLI strings, JSON lists, ints for floats).
+        layers = self.dense_layers
+        if isinstance(layers, str):
+            layers = parse_layers(layers)
+        elif isinstance(layers, (list, tuple)):
+            layers = tuple(layers)
+        object.__setattr__(self, "dense_layers", layers)
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type == "float" and isinstance(v, int) and not isinstance(v, bool):
+                object.__setattr__(self, f.name, float(v))
+        self.validate()
+
+    @property
+    def memory_size(self) -> int:
+        """Slots of the coalesced per-(request, KV head) buffer: sinks + selected."""
+        return self.sinks + self.budget
+
+    # ---------------------------------------------------------------- validation
+    def validate(self) -> None:
+        def bad(name, what):
+            raise SFIConfigError(f"{cli_name(name)} must be {what}, got {getattr(self, name)!r}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        for name in ("window", "budget", "min_gap", "max_interval", "bootstrap_rows"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 1:
+                bad(name, "a positive integer")
+        for name in ("sinks", "cooldown", "nms_radius"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 0:
+                bad(name, "a non-negative integer")
+        if self.max_interval < self.min_gap:
+            raise SFIConfigError(
+                f"{cli_name('max_interval')} ({self.max_interval}) must be >= "
+                f"{cli_name('min_gap')} ({self.min_gap})")
+        if not isinstance(self.dense_layers, tuple) or not all(
+                is_int(x) and x >= 0 for x in self.dense_layers):
+            bad("dense_layers", "a list of non-negative layer indices")
+        if self.refresh not in ("boundary", "interval"):
+            bad("refresh", "'boundary' or 'interval'")
+        if self.fusion not in ("arithmetic", "geometric"):
+            bad("fusion", "'arithmetic' or 'geometric'")
+        if not isinstance(self.boundaries, str):
+            bad("boundaries", "a string")
+        from sfi_sglang.boundary import parse_boundary_spec
+        try:
+            parse_boundary_spec(self.boundaries)
+        except ValueError as e:
+            raise SFIConfigError(f"{cli_name('boundaries')}: {e}") from None
+        for name in ("key_norm_gamma", "w_l2", "w_pos", "pos_beta"):
+            if not is_num(getattr(self, name)):
+                bad(name, "a finite number")
+        for name in ("alpha", "pos_tail", "nms_strength", "excl_strength"):
+            v = getattr(self, name)
+            if not is_num(v) or v < 0:
+                bad(name, "a finite number >= 0")
+        for name in ("pos_power", "excl_temperature"):
+            v = getattr(self, name)
+            if not is_num(v) or v <= 0:
+                bad(name, "a finite number > 0")
+        for name in ("lambda_max_single", "lambda_max_multi"):
+            v = getattr(self, name)
+            if not is_num(v) or not 0 <= v <= 1:
+                bad(name, "a number in [0, 1]")
+        for name in ("use_prior", "use_nms", "use_exclusivity"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "true or false")
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def _check_keys(cls, keys) -> None:
+        valid = cls.field_names()
+        for k in keys:
+            if k not in valid:
+                raise SFIConfigError(
+                    f"unknown SFI option {k!r}; valid options: {', '.join(valid)}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], base: "SFIConfig | None" = None) -> "SFIConfig":
+        """Build from a dict of field values (on top of `base`, default: the defaults).
+
+        Unknown keys (including "enabled", which the caller must strip) raise
+        SFIConfigError naming the key and listing the valid ones.
+        """
+        if not isinstance(d, Mapping):
+            raise SFIConfigError(f"SFI options must be a dict, got {type(d).__name__}")
+        cls._check_keys(d.keys())
+        if base is None:
+            return cls(**d)
+        return dataclasses.replace(base, **d)
+
+    def replace(self, **kw) -> "SFIConfig":
+        """A validated copy with some fields changed."""
+        return type(self).from_dict(kw, base=self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

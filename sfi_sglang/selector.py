@@ -1,0 +1,220 @@
+"""The Selector: slow-step attention logits -> K positions per KV head (SFI_SPEC.md).
+
+Every step is a plain batched function over
+    B: any flattened batch (layers x requests),  H: KV heads,
+    R: rows (the G query heads of a GQA group x the captured query rows),
+    N: padded positions.
+All math runs in float32 on the input's device; no Python loops over B or H.
+-inf marks "no mass" (non-candidates, masked logits); no step produces NaN, even for
+batch rows with no candidates at all.
+
+Candidate range convention (used by the backend): for a sequence of length n at
+selection time, lo = sinks and hi = max(lo, n - window); the selector chooses among
+positions [lo, hi). If hi - lo <= k, every candidate is selected, so the sparse
+memory (sinks + selected + window) is the whole history.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from sfi_sglang.config import SFIConfig
+
+NEG_INF = float("-inf")
+
+
+# ------------------------------------------------------------------ candidates
+def candidate_range(seq_lens: torch.Tensor, sinks: int, window: int):
+    """(lo, hi) int64 [B] for sequences of length seq_lens: lo = sinks, hi = max(lo, n - window)."""
+    seq_lens = seq_lens.to(torch.int64)
+    lo = torch.full_like(seq_lens, sinks)
+    hi = torch.maximum(lo, seq_lens - window)
+    return lo, hi
+
+
+def candidate_mask(lo: torch.Tensor, hi: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, n] bool, True at positions lo[b] <= j < hi[b]."""
+    j = torch.arange(n, device=lo.device)
+    return (j >= lo[:, None]) & (j < hi[:, None])
+
+
+def _safe_lse(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """logsumexp that returns 0 (not -inf) where every entry is -inf, so x - lse stays -inf, not NaN."""
+    lse = torch.logsumexp(x, dim=dim, keepdim=True)
+    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+
+
+def _log_normalize(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return x - _safe_lse(x, dim)
+
+
+# ------------------------------------------------------------------ 1. evidence
+def evidence(logits: torch.Tensor, cand_mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """log f [B, H, N] from logits [B, H, R, N] over candidates cand_mask [B, N].
+
+    p_r = softmax of row r over the candidates; rows are pooled with the alpha-fair
+    power mean log f = (1/a) (logsumexp_r(a log p_r) - log R'), then renormalised.
+    alpha < 1e-6 means the geometric mean (mean over rows of log p_r); alpha = 1 is
+    the arithmetic mean. Rows with no finite candidate logit (padding rows) are
+    ignored and R' counts only the other rows. Non-candidates are -inf.
+    """
+    x = logits.float().masked_fill(~cand_mask[:, None, None, :], NEG_INF)
+    log_p = _log_normalize(x, -1)                                  # [B,H,R,N]
+    row_ok = torch.isfinite(log_p).any(-1, keepdim=True)           # [B,H,R,1]
+    n_ok = row_ok.sum(-2).clamp_min(1).float()                     # [B,H,1]
+    if alpha < 1e-6:
+        # geometric mean; padding rows contribute 0 to the sum
+        log_f = torch.where(row_ok, log_p, torch.zeros_like(log_p)).sum(-2) / n_ok
+        no_rows = ~row_ok.any(-2)                                  # [B,H,1]
+        log_f = log_f.masked_fill(~cand_mask[:, None, :] | no_rows, NEG_INF)
+    else:
+        log_f = (torch.logsumexp(alpha * log_p, dim=-2) - n_ok.log()) / alpha
+    return _log_normalize(log_f, -1)
+
+
+# ------------------------------------------------------------------ 2. structural prior
+def structural_prior(key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                     cfg: SFIConfig) -> torch.Tensor:
+    """log r [B, H, N] = log softmax over [lo, hi) of w_l2 log pi + w_pos log delta.
+
+    log pi_j = -g log ||k_j|| (norms clamped to >= 1e-6);
+    u_j = (j - lo) / (hi - lo - 1) (denominator clamped to >= 1, so hi - lo == 1 gives u = 0);
+    log delta_j = -b u_j^p + e log(1 - u_j).
+    At the last candidate (u = 1) the spec's log(1 - u) is -inf; we keep it finite by
+    clamping 1 - u >= 0.5 / (hi - lo - 1), i.e. half a step beyond the last one, so
+    the tail is still the least favoured and the ordering is unchanged.
+    """
+    n = key_norms.shape[-1]
+    j = torch.arange(n, device=key_norms.device, dtype=torch.float32)
+    lo_f = lo.to(torch.float32)[:, None]
+    denom = (hi - lo - 1).clamp_min(1).to(torch.float32)[:, None]   # [B,1]
+    u = ((j[None, :] - lo_f) / denom).clamp(0.0, 1.0)              # [B,N]
+    one_minus_u = torch.maximum(1.0 - u, 0.5 / denom)
+    log_delta = -cfg.pos_beta * u.pow(cfg.pos_power) + cfg.pos_tail * one_minus_u.log()
+    log_pi = -cfg.key_norm_gamma * key_norms.float().clamp_min(1e-6).log()   # [B,H,N]
+    z = cfg.w_l2 * log_pi + cfg.w_pos * log_delta[:, None, :]
+    z = z.masked_fill(~candidate_mask(lo, hi, n)[:, None, :], NEG_INF)
+    return _log_normalize(z, -1)
+
+
+# ------------------------------------------------------------------ 3. fusion
+def fusion_weight(log_f: torch.Tensor, log_r: torch.Tensor, n_rows, cfg: SFIConfig) -> torch.Tensor:
+    """Closed-form l* [B, H] = (sum f^2 - sum f r) / sum (f - r)^2, clamped to [0, l_max].
+
+    l_max = lambda_max_single where n_rows == 1, else lambda_max_multi. n_rows is the
+    number of captured query rows (tokens, not counting the G heads of a group): an
+    int or an int tensor [B]. l* = 0 where f == r (zero denominator).
+    """
+    f, r = log_f.exp(), log_r.exp()
+    sff = (f * f).sum(-1)
+    sfr = (f * r).sum(-1)
+    den = ((f - r) ** 2).sum(-1)
+    lam = torch.where(den > 1e-20, (sff - sfr) / den.clamp_min(1e-20), torch.zeros_like(den))
+    if not torch.is_tensor(n_rows):
+        n_rows = torch.tensor(n_rows, device=log_f.device)
+    single = (n_rows.to(log_f.device) == 1)
+    lam_max = torch.where(single, cfg.lambda_max_single, cfg.lambda_max_multi).float()
+    if lam_max.dim() == 1:
+        lam_max = lam_max[:, None]
+    return torch.minimum(lam.clamp_min(0.0), lam_max)
+
+
+def fuse(log_f: torch.Tensor, log_r: torch.Tensor, n_rows, cfg: SFIConfig) -> torch.Tensor:
+    """Fused score log q [B, H, N] (log_f itself when cfg.use_prior is False).
+
+    arithmetic: q = (1 - l) f + l r   (computed in log space with logaddexp, so the
+                ranking of far-tail positions survives float32 underflow);
+    geometric:  q ~ f^(1 - l) r^l, renormalised.  Both use the same l* (fusion_weight).
+    """
+    if not cfg.use_prior:
+        return log_f
+    lam = fusion_weight(log_f, log_r, n_rows, cfg)[..., None]      # [B,H,1]
+    if cfg.fusion == "arithmetic":
+        a = torch.where(lam < 1, log_f + torch.log1p(-lam), log_f.new_tensor(NEG_INF))
+        b = torch.where(lam > 0, log_r + lam.log(), log_r.new_tensor(NEG_INF))
+        return torch.logaddexp(a, b)
+    # geometric: guard 0 * -inf where l == 0 (log_r is -inf only off the candidates)
+    b = torch.where(lam > 0, lam * log_r, torch.zeros_like(log_r))
+    return _log_normalize((1 - lam) * log_f + b, -1)
+
+
+# ------------------------------------------------------------------ 4. soft NMS
+def soft_nms(score: torch.Tensor, radius: int, strength: float) -> torch.Tensor:
+    """s'_j = s_j - c * max(0, M_j - s_j), M_j = max over |i - j| <= radius (j included).
+
+    score [B, H, N]; -inf entries stay -inf and never produce NaN.
+    """
+    if radius <= 0 or strength == 0:
+        return score
+    b, h, n = score.shape
+    m = F.max_pool1d(score.reshape(b * h, 1, n), kernel_size=2 * radius + 1, stride=1,
+                     padding=radius).reshape(b, h, n)
+    finite = torch.isfinite(score)
+    pen = torch.where(finite, (m - score).clamp_min(0.0), torch.zeros_like(score))
+    return torch.where(finite, score - strength * pen, score)
+
+
+# ------------------------------------------------------------------ 5. cross-head exclusivity
+def cross_head_exclusivity(score: torch.Tensor, temperature: float, strength: float) -> torch.Tensor:
+    """s''_h(j) = s'_h(j) + x log rho_h(j), rho_h(j) = softmax over heads of s'_h(j) / T.
+
+    score [B, H, N]; returned unchanged when H <= 2 (heads are local to a TP rank).
+    """
+    if score.shape[1] <= 2:
+        return score
+    log_rho = _log_normalize(score / temperature, 1)
+    finite = torch.isfinite(score)
+    return torch.where(finite, score + strength * log_rho, score)
+
+
+# ------------------------------------------------------------------ 6. full pipeline
+def select_scores(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor,
+                  hi: torch.Tensor, n_rows, cfg: SFIConfig) -> torch.Tensor:
+    """Final score s'' [B, H, N] (steps 1-5); -inf off the candidate range."""
+    cand = candidate_mask(lo, hi, logits.shape[-1])
+    s = evidence(logits, cand, cfg.alpha)
+    if cfg.use_prior:
+        s = fuse(s, structural_prior(key_norms, lo, hi, cfg), n_rows, cfg)
+    if cfg.use_nms:
+        s = soft_nms(s, cfg.nms_radius, cfg.nms_strength)
+    if cfg.use_exclusivity:
+        s = cross_head_exclusivity(s, cfg.excl_temperature, cfg.excl_strength)
+    return s
+
+
+def top_k_positions(score: torch.Tensor, cand_mask: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k candidate positions per (B, H) -> [B, H, k] int64, sorted ascending.
+
+    Candidates always rank above non-candidates (a candidate whose score is -inf still
+    beats a non-candidate), so when fewer than k candidates exist all of them are
+    returned first (sorted) and the rest is padded with -1 at the end.
+    """
+    b, h, n = score.shape
+    cand = cand_mask[:, None, :].expand(b, h, n)
+    lowest = torch.finfo(torch.float32).min
+    key = torch.where(torch.isfinite(score), score.float(), torch.full_like(score, lowest, dtype=torch.float32))
+    key = torch.where(cand, key, torch.full_like(key, NEG_INF))
+    kk = min(k, n)
+    val, idx = key.topk(kk, dim=-1) if kk > 0 else (key[..., :0], key[..., :0].long())
+    big = torch.iinfo(torch.int64).max
+    idx = torch.where(val > NEG_INF, idx, torch.full_like(idx, big))
+    idx = idx.sort(-1).values
+    idx = torch.where(idx == big, torch.full_like(idx, -1), idx)
+    if kk < k:
+        idx = F.pad(idx, (0, k - kk), value=-1)
+    return idx
+
+
+def select(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+           k: int, n_rows, cfg: SFIConfig) -> torch.Tensor:
+    """Selected positions [B, H, k] int64 (sorted ascending, -1 padding at the end).
+
+    logits [B, H, R, N] of the slow step's rows (-inf where masked), key_norms [B, H, N],
+    lo/hi [B] the candidate range [lo, hi) (see candidate_range), n_rows the number of
+    captured query rows (int or [B]).
+    """
+    score = select_scores(logits, key_norms, lo, hi, n_rows, cfg)
+    return top_k_positions(score, candidate_mask(lo, hi, logits.shape[-1]), k)

