@@ -185,3 +185,58 @@ class SFIConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- launch-time transport
+# SGLang spawns its scheduler processes from the launcher; they inherit the environment.
+# The launcher (sfi_sglang.Engine / `sfi-sglang serve`) writes the server-wide config here
+# once, as JSON, and the `sfi` attention backend reads it in each scheduler process.
+CONFIG_ENV = "SFI_SGLANG_CONFIG"
+
+
+def export_config(cfg: SFIConfig) -> None:
+    import json
+    import os
+
+    os.environ[CONFIG_ENV] = json.dumps(cfg.to_dict())
+
+
+def server_config() -> SFIConfig:
+    import json
+    import os
+
+    text = os.environ.get(CONFIG_ENV)
+    return SFIConfig.from_dict(json.loads(text)) if text else SFIConfig()
+
+
+def add_cli_args(parser) -> None:
+    """One `--sfi-<field>` option per SFIConfig field (values validated by SFIConfig)."""
+    group = parser.add_argument_group("SFI (Slow-Fast Inference)")
+    for f in fields(SFIConfig):
+        default = getattr(SFIConfig, f.name)
+        kind = type(default)
+        if kind is bool:
+            group.add_argument(cli_name(f.name), dest=f"sfi_{f.name}", type=_parse_bool,
+                               default=None, metavar="{true,false}", help=f"default: {default}")
+        else:
+            shown = ",".join(map(str, default)) if kind is tuple else default
+            group.add_argument(cli_name(f.name), dest=f"sfi_{f.name}",
+                               type=str if kind is tuple else kind, default=None,
+                               help=f"default: {shown}")
+    group.add_argument("--disable-sfi", action="store_true",
+                       help="serve with the platform's dense attention backend (plain SGLang)")
+
+
+def config_from_args(args) -> SFIConfig:
+    """SFIConfig from parsed `--sfi-*` options (unset ones keep their defaults)."""
+    given = {f.name: getattr(args, f"sfi_{f.name}") for f in fields(SFIConfig)}
+    return SFIConfig.from_dict({k: v for k, v in given.items() if v is not None})
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)

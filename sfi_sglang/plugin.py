@@ -7,10 +7,34 @@ from __future__ import annotations
 import os
 
 TRACE_ENV = "SFI_SGLANG_PLUGIN_TRACE"
+_registered = False
 
 
 def register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
     _trace()
+    _register_backend()
+    from sfi_sglang import hooks
+
+    hooks.install()
+
+
+def _register_backend() -> None:
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
+
+    if "sfi" not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices(["sfi"])
+
+    @register_attention_backend("sfi")
+    def create_sfi_backend(runner):
+        from sfi_sglang.backend import SFIAttnBackend
+        from sfi_sglang.engine import dense_backend
+
+        return SFIAttnBackend(runner, ATTENTION_BACKENDS[dense_backend()](runner))
 
 
 def _trace() -> None:
