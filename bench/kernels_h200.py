@@ -245,12 +245,13 @@ def correctness():
                 torch.isnan(pv), torch.isnan(rv)) and torch.equal(torch.nan_to_num(pv), torch.nan_to_num(rv))
             ok &= check(f"pack small {dtype} G={G}", 0.0 if same else 1.0, 0.5)
             for splits in ((1, 4, None) if (G == 4 or SMOKE) else (1, 4)):
-                out = torch.full_like(q, float("nan"))
-                K.fast_decode(q, k_cache, v_cache, rtt, rpi, sl, ws, pk, pv, pl, D ** -0.5,
-                              out=out, num_splits=splits)
                 ref = K.ref_fast_decode(q, k_cache, v_cache, rtt, rpi, sl, ws, pk, pv, pl, D ** -0.5)
-                e = rel_err(out, ref) if torch.isfinite(out).all() else float("nan")
-                ok &= check(f"fast small {dtype} G={G} splits={splits}", e, tol)
+                for fused in ((False, True) if splits != 1 else (False,)):
+                    out = torch.full_like(q, float("nan"))
+                    K.fast_decode(q, k_cache, v_cache, rtt, rpi, sl, ws, pk, pv, pl, D ** -0.5,
+                                  out=out, num_splits=splits, fused_reduce=fused)
+                    e = rel_err(out, ref) if torch.isfinite(out).all() else float("nan")
+                    ok &= check(f"fast small {dtype} G={G} splits={splits} fused={fused}", e, tol)
                 sc = torch.full((B, Hkv * G, N + 37), float("nan"), device=DEV)
                 out = torch.full_like(q, float("nan"))
                 K.dense_decode_with_scores(q, k_cache, v_cache, rtt, rpi, sl, D ** -0.5,
@@ -293,6 +294,18 @@ def correctness_real(N, B):
     K.fast_decode(*args, out=out)
     ref = K.ref_fast_decode(*args)
     ok &= check(f"fast real bf16 N={N} B={B}", rel_err(out, ref) if torch.isfinite(out).all() else float("nan"), 1e-2)
+    for fused in (False, True):
+        for splits, bn in ((8, 128), (16, 64), (32, 64)):
+            outs = []
+            for _ in range(20):
+                o = torch.full_like(s0["q"], float("nan"))
+                K.fast_decode(*args, out=o, num_splits=splits, block_n=bn, fused_reduce=fused)
+                outs.append(o)
+            torch.cuda.synchronize() if not SMOKE else None
+            e = max(rel_err(o, ref) if torch.isfinite(o).all() else float("nan") for o in outs)
+            same = all(torch.equal(o, outs[0]) for o in outs)
+            ok &= check(f"fast real bf16 N={N} B={B} s={splits} bn={bn} fused={fused} x20 "
+                        f"{'bitwise-same' if same else 'DIFFERENT'}", e if same else float("nan"), 1e-2)
     # SFI == dense when the selected set is the whole candidate range: compare fast to a
     # dense reference restricted to the sparse positions (done implicitly above); also the
     # dense kernel + scores against float64:
@@ -451,6 +464,68 @@ def run_config(N, B, selector_mod, cfg_mod, l2_bytes, sweep=False):
     return summ
 
 
+def tune(l2_bytes):
+    """Sweeps for choosing kernel defaults: fast kernel (block, splits, warps, stages,
+    fused reduce) at B=1 and B=8; dense+scores kernel at 128K B=8."""
+    Hkv, G, D, S, W, Kc = (DIMS[k] for k in ("Hkv", "G", "D", "S", "W", "Kc"))
+    Hq, P = Hkv * G, S + Kc
+    scale = D ** -0.5
+    N = 8192 if not SMOKE else 256
+    for B in (8, 1):
+        fast_bytes = B * Hkv * (P + W) * D * 2 * 2 + B * W * 4 + 2 * B * Hq * D * 2
+        n_sets = max(1, min(32, math.ceil(4 * l2_bytes / fast_bytes)))
+        st = build_state(B, Hkv, G, D, N, torch.bfloat16, n_sets, P, W, seed=B)
+        kv = (st["k_cache"], st["v_cache"], st["req_to_token"])
+        fk = (st["packed_k"], st["packed_v"], st["packed_len"])
+        cfg = {"N": N, "B": B}
+        log(f"== fast sweep B={B} (rotation sets {n_sets})")
+        splits_set = (4, 8, 16) if B == 8 else (8, 16, 32)
+        variants = [(bn, ns, nw, stg, True) for bn in (64, 128) for ns in splits_set
+                    for nw in (4, 8) for stg in (2, 3, 4)]
+        variants += [(128, 8, 4, 2, False), (128, 8, 4, 3, False), (64, 16, 4, 2, False),
+                     (128, 32, 4, 2, False), (64, 8, 8, 3, False), (None, None, None, None, None)]
+        if SMOKE:
+            variants = [(32, 2, 4, 2, True), (32, 2, 4, 2, False), (None, None, None, None, None)]
+        for bn, ns, nw, stg, fu in variants:
+            timed(f"tune_fast_bn{bn}_s{ns}_w{nw}_st{stg}_f{int(bool(fu))}" if bn else "tune_fast_default",
+                  dict(cfg, block_n=bn, splits=ns, warps=nw, stages=stg, fused=fu), [
+                      (lambda s=s, bn=bn, ns=ns, nw=nw, stg=stg, fu=fu: K.fast_decode(
+                          s["q"], *kv, s["req_pool_indices"], s["seq_lens"], s["win_start"], *fk, scale,
+                          out=s["out"], num_splits=ns, block_n=bn, num_warps=nw, num_stages=stg,
+                          fused_reduce=fu)) for s in st["sets"]], fast_bytes)
+        del st, kv, fk
+        torch.cuda.empty_cache()
+    N, B = (131072, 8) if not SMOKE else (512, 2)
+    dense_bytes = B * N * Hkv * D * 2 * 2
+    st = build_state(B, Hkv, G, D, N, torch.bfloat16, 1, 16, W, seed=7)
+    kv = (st["k_cache"], st["v_cache"], st["req_to_token"])
+    s0 = st["sets"][0]
+    sc = torch.empty(B, Hq, N, device=DEV, dtype=torch.float32)
+    cfg = {"N": N, "B": B}
+    log(f"== dense sweep N={N} B={B}")
+    variants = [(bn, nw, stg, ns) for bn in (32, 64, 128) for nw in (4, 8) for stg in (2, 3, 4)
+                for ns in (None,)] + [(64, 4, 2, 16), (64, 4, 3, 16), (64, 4, 2, 2 * 132 // 64 * 2)]
+    if SMOKE:
+        variants = [(32, 4, 2, None)]
+    for bn, nw, stg, ns in variants:
+        for scores in (True, False):
+            if not scores and not (bn == 64 and nw == 4):
+                continue
+            if scores:
+                fn = (lambda bn=bn, nw=nw, stg=stg, ns=ns: K.dense_decode_with_scores(
+                    s0["q"], *kv, s0["req_pool_indices"], s0["seq_lens"], scale, scores_out=sc,
+                    out=s0["out"], block_n=bn, num_warps=nw, num_stages=stg, num_splits=ns))
+            else:
+                fn = (lambda bn=bn, nw=nw, stg=stg, ns=ns: K.dense_decode(
+                    s0["q"], *kv, s0["req_pool_indices"], s0["seq_lens"], scale, out=s0["out"],
+                    max_len=N, block_n=bn, num_warps=nw, num_stages=stg, num_splits=ns))
+            timed(f"tune_dense{'_scores' if scores else ''}_bn{bn}_w{nw}_st{stg}_s{ns}",
+                  dict(cfg, block_n=bn, warps=nw, stages=stg, splits=ns, scores=scores), [fn],
+                  dense_bytes + (B * Hq * N * 4 if scores else 0))
+    del st, kv, sc
+    torch.cuda.empty_cache()
+
+
 def plot(path):
     import matplotlib
     matplotlib.use("Agg")
@@ -495,6 +570,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--phase", choices=("full", "tune"), default="full")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -523,6 +599,33 @@ def main():
             ok = False
     RESULTS["all_checks_ok"] = bool(ok)
     log(f"correctness all ok: {ok}  ({time.time() - t0:.0f}s)")
+    if args.phase == "tune":
+        try:
+            tune(l2)
+        except Exception:
+            RESULTS["errors"].append(f"tune: {traceback.format_exc()[-1500:]}")
+            log(traceback.format_exc()[-1500:])
+        RESULTS["wall_s"] = time.time() - t0
+        with open(os.path.join(args.out, "kernels_h200_tune.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
+        for e in RESULTS["errors"]:
+            log("ERROR:", e[-400:])
+        tt = [t for t in RESULTS["timings"] if "ms" in t]
+        for B in (8, 1):
+            c = sorted((t for t in tt if t["op"].startswith("tune_fast") and t["B"] == B),
+                       key=lambda t: t["ms"])
+            log(f"fast B={B} best 8 of {len(c)}:")
+            for t in c[:8]:
+                log(f"  {t['op']:36s} {t['ms'] * 1e3:6.1f} us {t['GBps']:6.0f} GB/s")
+            for t in c:
+                if t["op"] == "tune_fast_default":
+                    log(f"  {t['op']:36s} {t['ms'] * 1e3:6.1f} us {t['GBps']:6.0f} GB/s")
+        c = sorted((t for t in tt if t["op"].startswith("tune_dense")), key=lambda t: t["ms"])
+        log("dense 128K B=8:")
+        for t in c:
+            log(f"  {t['op']:36s} {t['ms'] * 1e3:7.1f} us {t['GBps']:6.0f} GB/s")
+        log(f"HBM copy {hbm:.0f} GB/s; checks ok={ok}; wall {time.time() - t0:.0f}s")
+        return
     configs = [(8192, 1), (8192, 8), (32768, 1), (32768, 8), (131072, 1), (131072, 8)]
     if args.quick:
         configs = [(8192, 8)]

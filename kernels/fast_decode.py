@@ -26,12 +26,14 @@ import triton.language as tl
 from ._common import (LOG2E, _online_update, _write_result, choose_num_splits, next_pow2,
                       splitk_reduce, use_triton)
 
+FUSED_REDUCE_DEFAULT = False  # set from the H200 measurements (bench/NOTES.md)
+
 
 @triton.jit
 def _fast_decode_kernel(
     Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Win_start,
     Packed_k, Packed_v, Packed_len, qk_scale_log2,
-    Out, Mid_o, Mid_lse,
+    Out, Mid_o, Mid_lse, Counters,
     stride_qb, stride_qh,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     stride_rt,
@@ -41,10 +43,12 @@ def _fast_decode_kernel(
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
+    n_kv = tl.num_programs(1)
 
     pool = tl.load(Req_pool_indices + b).to(tl.int64)
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
@@ -99,17 +103,61 @@ def _fast_decode_kernel(
     _write_result(Out, Mid_o, Mid_lse, b, s, hq, mask_g, offs_d, mask_d, m_i, l_i, acc,
                   stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
                   NUM_SPLITS)
+    if NUM_SPLITS > 1 and FUSED_REDUCE:
+        # Split-K merge without a second launch: the last split of this (request, KV head)
+        # to finish (ticket from a per-(b, h) counter) merges all partials and resets the
+        # counter for the next launch. Barrier + acq_rel atomic publish this CTA's partials.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(Counters + b * n_kv + h, 1, sem="acq_rel", scope="gpu")
+        if ticket == NUM_SPLITS - 1:
+            tl.debug_barrier()
+            mask = mask_g[:, None] & mask_d[None, :]
+            m_r = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+            l_r = tl.zeros([BLOCK_G], dtype=tl.float32)
+            acc_r = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+            for s2 in range(NUM_SPLITS):
+                lse_s = tl.load(Mid_lse + b * stride_lb + hq * stride_lh + s2, mask=mask_g,
+                                other=float("-inf"), cache_modifier=".cg")
+                o_s = tl.load(Mid_o + b * stride_mb + hq[:, None] * stride_mh + s2 * stride_ms
+                              + offs_d[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m_r, lse_s)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_r - m_safe)
+                w = tl.exp2(lse_s - m_safe)
+                acc_r = acc_r * alpha[:, None] + o_s * w[:, None]
+                l_r = l_r * alpha + w
+                m_r = m_new
+            res = acc_r / tl.where(l_r > 0, l_r, 1.0)[:, None]
+            tl.store(Out + b * stride_ob + hq[:, None] * stride_oh + offs_d[None, :],
+                     res.to(Out.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(Counters + b * n_kv + h, 0, sem="relaxed", scope="gpu")
+
+
+_COUNTERS = {}
+
+
+def _counters(device, n):
+    """Self-resetting split-K tickets, one int32 per (request, KV head); zero between launches."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, win_start,
                 packed_k, packed_v, packed_len, sm_scale, out=None, num_splits=None,
-                max_window=None, block_n=None, num_warps=None, num_stages=None):
+                max_window=None, block_n=None, num_warps=None, num_stages=None,
+                fused_reduce=None, counters=None):
     """SFI fast-step attention. q [B,H_q,D]; k_cache/v_cache [slots,H_kv,D];
     packed_k/packed_v [max_reqs,H_kv,P,D]. Returns out [B,H_q,D] (q.dtype).
 
     num_splits: split-K count; None chooses it from the work size (P + max_window,
     max_window defaulting to 512) and the SM count, without reading device values, so
     the call is CUDA-graph safe.
+    fused_reduce: merge the splits inside the same launch (last split per (request, KV
+    head) reduces, using a self-resetting int32 counter per (request, KV head) from
+    `counters`, default a per-device buffer: pass your own for concurrent streams).
     """
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
@@ -132,11 +180,20 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
     BLOCK_G = max(16, next_pow2(G))
     BLOCK_D = max(16, next_pow2(D))
     ieee = q.dtype == torch.float32
+    if fused_reduce is None:
+        fused_reduce = FUSED_REDUCE_DEFAULT
     if num_splits > 1:
         mid_o = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
     else:
         mid_o, mid_lse = out, out  # unused
+    fused = bool(fused_reduce) and num_splits > 1
+    if fused:
+        if counters is None:
+            counters = _counters(q.device, B * Hkv)
+        assert counters.dtype == torch.int32 and counters.numel() >= B * Hkv
+    else:
+        counters = seq_lens  # unused
     if num_warps is None:
         num_warps = 4
     if num_stages is None:
@@ -145,7 +202,7 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
     _fast_decode_kernel[grid](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, win_start,
         packed_k, packed_v, packed_len, float(sm_scale) * LOG2E,
-        out, mid_o, mid_lse,
+        out, mid_o, mid_lse, counters,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0),
@@ -156,9 +213,9 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
         mid_o.stride(2) if num_splits > 1 else 0,
         mid_lse.stride(0) if num_splits > 1 else 0, mid_lse.stride(1) if num_splits > 1 else 0,
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-        NUM_SPLITS=num_splits, IEEE=ieee,
+        NUM_SPLITS=num_splits, IEEE=ieee, FUSED_REDUCE=fused,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         splitk_reduce(mid_o, mid_lse, out, num_splits)
     return out

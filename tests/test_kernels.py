@@ -145,8 +145,9 @@ FAST_CASES = [
 ]
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("G,D,splits,block_n,seq_lens,S,W,Kc,P", FAST_CASES)
-def test_fast_decode_matches_reference(G, D, splits, block_n, seq_lens, S, W, Kc, P):
+def test_fast_decode_matches_reference(G, D, splits, block_n, seq_lens, S, W, Kc, P, fused):
     Hkv = 2
     st = make_state(len(seq_lens), Hkv, G, D, P, seq_lens)
     positions, win_start, packed_len = sfi_layout(st, S, W, Kc, seq_lens, P)
@@ -158,7 +159,7 @@ def test_fast_decode_matches_reference(G, D, splits, block_n, seq_lens, S, W, Kc
     K.fast_decode(st["q"], st["k_cache"], st["v_cache"], st["req_to_token"],
                   st["req_pool_indices"], st["seq_lens"], win_start, st["packed_k"],
                   st["packed_v"], packed_len, 1.0 / math.sqrt(D), out=out,
-                  num_splits=splits, block_n=block_n)
+                  num_splits=splits, block_n=block_n, fused_reduce=fused)
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
     assert rel_err(out, ref) < TOL[torch.float32]
 
@@ -200,9 +201,9 @@ def test_fast_decode_edge_lengths():
     args = (st["q"], st["k_cache"], st["v_cache"], st["req_to_token"], st["req_pool_indices"],
             st["seq_lens"], win_start, st["packed_k"], st["packed_v"], packed_len, D ** -0.5)
     ref = K.ref_fast_decode(*args)
-    for splits in (1, 3):
+    for splits, fused in ((1, False), (3, False), (3, True)):
         out = torch.full_like(st["q"], float("nan"))
-        K.fast_decode(*args, out=out, num_splits=splits, block_n=16)
+        K.fast_decode(*args, out=out, num_splits=splits, block_n=16, fused_reduce=fused)
         assert torch.isfinite(out).all()
         assert torch.equal(out[2].cpu(), torch.zeros_like(out[2]).cpu())  # nothing to attend
         assert rel_err(out[:2], ref[:2]) < TOL[torch.float32]
@@ -332,3 +333,19 @@ def test_cpu_fallback_uses_reference(monkeypatch):
     out = K.fast_decode(*args)
     assert out.dtype == torch.float32
     assert rel_err(out, K.ref_fast_decode(*args)) < 1e-6
+
+
+def test_fused_reduce_counters_reset():
+    """The split-K tickets must be back at zero after every launch (graph replays rely on it)."""
+    G, D, Hkv, P = 4, 32, 2, 24
+    seq_lens = [150, 70, 99]
+    st = make_state(3, Hkv, G, D, P, seq_lens)
+    _, win_start, packed_len = sfi_layout(st, 4, 40, 20, seq_lens, P)
+    args = (st["q"], st["k_cache"], st["v_cache"], st["req_to_token"], st["req_pool_indices"],
+            st["seq_lens"], win_start, st["packed_k"], st["packed_v"], packed_len, D ** -0.5)
+    counters = torch.zeros(16, dtype=torch.int32, device=DEV)
+    ref = K.ref_fast_decode(*args)
+    for _ in range(2):
+        out = K.fast_decode(*args, num_splits=4, block_n=16, fused_reduce=True, counters=counters)
+        assert int(counters.abs().sum()) == 0
+        assert rel_err(out, ref) < TOL[torch.float32]
