@@ -571,6 +571,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--phase", choices=("full", "tune"), default="full")
+    ap.add_argument("--sweep", action="store_true", help="full phase: also the old fast/dense sweep at 8K")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -633,7 +634,8 @@ def main():
         configs = [(256, 1), (384, 2)]
     for N, B in configs:
         try:
-            run_config(N, B, selector_mod, cfg_mod, l2, sweep=(N == 8192 or (SMOKE and N == 256)))
+            run_config(N, B, selector_mod, cfg_mod, l2,
+                       sweep=args.sweep and (N == 8192 or (SMOKE and N == 256)))
         except Exception:
             RESULTS["errors"].append(f"config {N} {B}: {traceback.format_exc()[-1500:]}")
             log(traceback.format_exc()[-1500:])

@@ -29,12 +29,17 @@ def next_pow2(x: int) -> int:
 
 
 def choose_num_splits(programs: int, max_len: int, block_n: int, device: torch.device,
-                      min_blocks_per_split: int = 2, max_splits: int = 64) -> int:
-    """Flash-decoding split count: aim for ~2 waves of programs over the SMs while
-    keeping at least `min_blocks_per_split` BLOCK_N tiles of work per split."""
+                      min_blocks_per_split: int = 2, max_splits: int = 64,
+                      programs_per_sm: int = 2, one_wave: bool = False) -> int:
+    """Flash-decoding split count: aim for `programs_per_sm` programs per SM in total
+    (rounded down when `one_wave`, so that every program is resident at once), keeping at
+    least `min_blocks_per_split` BLOCK_N tiles of work per split."""
     sms = num_sms(device)
-    target = 2 * sms
-    s = triton.cdiv(target, max(1, programs))
+    target = programs_per_sm * sms
+    if one_wave:
+        s = target // max(1, programs)
+    else:
+        s = triton.cdiv(target, max(1, programs))
     max_by_work = max(1, triton.cdiv(max(1, max_len), block_n) // min_blocks_per_split)
     return int(max(1, min(s, max_by_work, max_splits)))
 

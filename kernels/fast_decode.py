@@ -26,7 +26,15 @@ import triton.language as tl
 from ._common import (LOG2E, _online_update, _write_result, choose_num_splits, next_pow2,
                       splitk_reduce, use_triton)
 
-FUSED_REDUCE_DEFAULT = False  # set from the H200 measurements (bench/NOTES.md)
+# Defaults from the H200 sweep (bench/NOTES.md, bench/results/kernels_h200_tune.json):
+# BLOCK_N 64, 3 pipeline stages, 4 warps, split-K merged in-launch, and as many splits as
+# keep all programs in one wave (2 resident per SM): B=8 -> 4 splits (24.9 us, 71% of
+# copy bandwidth), B=1 -> 16 (11.9 us).
+FUSED_REDUCE_DEFAULT = True
+BLOCK_N_DEFAULT = 64
+NUM_STAGES_DEFAULT = 3
+NUM_WARPS_DEFAULT = 4
+MAX_SPLITS_DEFAULT = 16
 
 
 @triton.jit
@@ -174,9 +182,11 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
     assert packed_k.stride(3) == 1 and packed_v.stride(3) == 1 and out.stride(2) == 1
     P = packed_k.shape[2]
-    BLOCK_N = block_n or 64
+    BLOCK_N = block_n or BLOCK_N_DEFAULT
     if num_splits is None:
-        num_splits = choose_num_splits(B * Hkv, P + (max_window or 512), BLOCK_N, q.device)
+        num_splits = choose_num_splits(B * Hkv, P + (max_window or 512), BLOCK_N, q.device,
+                                       min_blocks_per_split=2, max_splits=MAX_SPLITS_DEFAULT,
+                                       programs_per_sm=2, one_wave=True)
     BLOCK_G = max(16, next_pow2(G))
     BLOCK_D = max(16, next_pow2(D))
     ieee = q.dtype == torch.float32
@@ -195,9 +205,9 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
     else:
         counters = seq_lens  # unused
     if num_warps is None:
-        num_warps = 4
+        num_warps = NUM_WARPS_DEFAULT
     if num_stages is None:
-        num_stages = 2
+        num_stages = NUM_STAGES_DEFAULT
     grid = (B, Hkv, num_splits)
     _fast_decode_kernel[grid](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, win_start,
