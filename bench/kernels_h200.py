@@ -377,6 +377,7 @@ def run_config(N, B, selector_mod, cfg_mod, l2_bytes, sweep=False):
         sd.append((s["q"][:, :, None], st["k_cache"][idx].permute(0, 2, 1, 3).contiguous(),
                    st["v_cache"][idx].permute(0, 2, 1, 3).contiguous()))
     res = {}
+    summ_extra = {}
     res["sdpa"] = timed("dense_sdpa", cfg, [
         (lambda a=a: F.scaled_dot_product_attention(a[0], a[1], a[2], enable_gqa=True, scale=scale))
         for a in sd], dense_bytes)
@@ -439,6 +440,11 @@ def run_config(N, B, selector_mod, cfg_mod, l2_bytes, sweep=False):
             assert sel.shape == (B, Hkv, Kc)
             # eager (slow steps run eagerly): do_bench median incl. launch overhead, no graph
             res["selector"] = timed("selector_torch", cfg, [run_selector], graph=False)
+            if N == 131072 and B == 8 and not SMOKE:
+                # last config only (a failed capture could upset later work): GPU-only time
+                # of the same Selector under a CUDA graph, to split launch overhead from work
+                r = timed("selector_torch_graph", cfg, [run_selector], graph=True)
+                summ_extra["selector_graph_ms"] = r.get("graph_ms")
         except Exception:
             RESULTS["errors"].append(f"selector N={N} B={B}: {traceback.format_exc()[-1500:]}")
             log("  selector failed:", traceback.format_exc()[-600:])
@@ -449,6 +455,7 @@ def run_config(N, B, selector_mod, cfg_mod, l2_bytes, sweep=False):
             "rot_sets_fast": n_sets}
     for k_, r in res.items():
         summ[k_ + "_ms"] = r.get("ms")
+    summ.update(summ_extra)
     if summ.get("sdpa_ms") and summ.get("fast_ms"):
         summ["speedup_fast_vs_sdpa"] = summ["sdpa_ms"] / summ["fast_ms"]
         summ["speedup_fast_vs_dense_triton"] = summ["dense_ms"] / summ["fast_ms"]
