@@ -94,9 +94,11 @@ def _dense_launch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
     G = Hq // Hkv
     BLOCK_N = block_n or 64
     if num_splits is None:
-        # H200 sweep at 128K B=8: 16 splits (~8 programs per SM) beat 5 by 12 % with scores
+        # H200, 128K B=8, with scores: 16 splits 1062 us, 8: 1079, 5: 1197-1211, 17: 1245
+        # (bench/NOTES.md): ~8 programs per SM, rounded down to a power of two.
         num_splits = choose_num_splits(B * Hkv, max_len, BLOCK_N, q.device,
                                        min_blocks_per_split=4, max_splits=128, programs_per_sm=8)
+        num_splits = 1 << (num_splits.bit_length() - 1)
     BLOCK_G = max(16, next_pow2(G))
     BLOCK_D = max(16, next_pow2(D))
     ieee = q.dtype == torch.float32
