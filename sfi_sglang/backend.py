@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 # The backends living in this process (one per model runner), for the output hooks.
 ACTIVE: list["SFIAttnBackend"] = []
+# rid -> custom_params of requests this scheduler received (filled by sfi_sglang.hooks).
+REQUEST_PARAMS: dict[str, dict] = {}
 
 
 def request_options(custom_params) -> tuple[bool, dict]:
@@ -79,6 +81,8 @@ class SlotState:
     fast_steps: int = 0
     slow_steps: int = 0
     bootstrap: bool = False
+    decode_steps: int = 0
+    slow_at: list[int] = field(default_factory=list)  # decode steps (1-based) that were slow
     # per layer: selected positions [H_kv, n_sel] (sorted), and where the window starts
     selected: dict[int, torch.Tensor] = field(default_factory=dict)
     win_start: int = 0
@@ -86,6 +90,7 @@ class SlotState:
     def stats(self) -> dict:
         return {"enabled": self.enabled, "fast_steps": self.fast_steps,
                 "slow_steps": self.slow_steps, "bootstrap": self.bootstrap,
+                "slow_at": list(self.slow_at),
                 "budget": self.cfg.budget, "window": self.cfg.window, "sinks": self.cfg.sinks}
 
 
@@ -132,19 +137,13 @@ class SFIAttnBackend:
         elif mode.is_extend() and not mode.is_mixed():
             self._start_requests(forward_batch)
 
-    def _custom_params(self, forward_batch, n):
-        info = forward_batch.sampling_info
-        params = getattr(info, "custom_params", None) if info is not None else None
-        return params if params is not None else [None] * n
-
     def _start_requests(self, forward_batch):
         """Each extend (a new request, or the next chunk of its prompt) restarts the
         request's SFI state; the bootstrap selection follows in forward_extend."""
         slots = forward_batch.req_pool_indices.tolist()
-        params = self._custom_params(forward_batch, len(slots))
         rids = forward_batch.rids or [None] * len(slots)
-        for slot, cp, rid in zip(slots, params, rids):
-            enabled, cfg = self._slot_config(cp)
+        for slot, rid in zip(slots, rids):
+            enabled, cfg = self._slot_config(REQUEST_PARAMS.get(rid))
             st = self.slots[slot] = SlotState(cfg=cfg, enabled=enabled)
             if rid is not None:
                 self.by_rid[rid] = st
@@ -158,10 +157,13 @@ class SFIAttnBackend:
         slow = self.policy.step(forward_batch.input_ids, slots, force=~have.to(slots.device)).cpu()
         rows = []
         for i, st in enumerate(states):
+            if st is not None:
+                st.decode_steps += 1
             if st is None or not st.enabled:
                 rows.append("dense")
             elif bool(slow[i]):
                 st.slow_steps += 1
+                st.slow_at.append(st.decode_steps)
                 rows.append("slow")
             else:
                 st.fast_steps += 1
@@ -256,6 +258,8 @@ class SFIAttnBackend:
         return getattr(self.dense, name)
 
     def request_stats(self, rid: str, finished: bool) -> Optional[dict]:
+        if finished:
+            REQUEST_PARAMS.pop(rid, None)
         st = self.by_rid.pop(rid, None) if finished else self.by_rid.get(rid)
         return st.stats() if st is not None else None
 

@@ -13,12 +13,15 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 OUTPUT_STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 SAMPLING_PARAMS = "sglang.srt.sampling.sampling_params.SamplingParams"
+SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 
 META_KEY = "sfi"
 
 
 def install() -> None:
     HookRegistry.register(f"{SAMPLING_PARAMS}.verify", _verify_sfi_params, HookType.AFTER)
+    HookRegistry.register(f"{SCHEDULER}.handle_generate_request", _record_request_options,
+                          HookType.BEFORE)
     HookRegistry.register(f"{OUTPUT_STREAMER}.build_additional_customized_info",
                           _build_sfi_info, HookType.REPLACE)
     HookRegistry.register(f"{TOKENIZER_MANAGER}.update_request_meta_info",
@@ -40,6 +43,17 @@ def _verify_sfi_params(result, self, *args, **kwargs):
 
     request_config(server_config(), self.custom_params)
     return result
+
+
+def _record_request_options(self, recv_req, *args, **kwargs):
+    """The backend needs each request's custom_params["sfi"], but ForwardBatch carries
+    custom_params only when custom logit processors are enabled; record them by rid as
+    the scheduler receives the request."""
+    from sfi_sglang.backend import REQUEST_PARAMS
+
+    params = getattr(recv_req.sampling_params, "custom_params", None)
+    if params:
+        REQUEST_PARAMS[recv_req.rid] = params
 
 
 def _build_sfi_info(self, reqs):

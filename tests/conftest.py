@@ -1,0 +1,85 @@
+"""Shared helpers: real SGLang on the CPU engine with the embedded SmolLM2 model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+GREEDY = {"temperature": 0.0}
+
+
+def sfi_cli() -> str:
+    return str(Path(sys.executable).with_name("sfi-sglang"))
+
+
+def chat_prompt(tokenizer, text: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`sfi-sglang serve ...` in its own process group, on a free loopback port."""
+
+    def __init__(self, *args: str, timeout: float = 600):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"sfi-serve-{self.port}.log", "w+")
+        self.proc = subprocess.Popen(
+            [sfi_cli(), "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        self.stop()
+        raise RuntimeError(f"server did not become healthy in {timeout}s:\n{self.tail()}")
+
+    def tail(self, n: int = 4000) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-n:]
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    from sfi_sglang.model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)

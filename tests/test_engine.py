@@ -1,0 +1,153 @@
+"""sfi_sglang.Engine on real SGLang (CPU engine, SmolLM2, fp32): SFI against dense.
+
+One dense engine (disable_sfi) computes the references first, then one SFI engine runs
+every check. S=4, W=64, K=256: contexts up to S+W+K=324 tokens must give exactly the
+dense output; a ~4K-token essay prompt must decode mostly in fast steps."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import sfi_sglang
+from sfi_sglang.boundary import TriggerPolicy
+from sfi_sglang.config import SFIConfig
+from sfi_sglang.texts import long_text
+
+from conftest import GREEDY, chat_prompt
+
+SFI = dict(sfi_sinks=4, sfi_window=64, sfi_budget=256)
+CFG = SFIConfig(sinks=4, window=64, budget=256)
+FIT_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    fit = [
+        chat_prompt(tokenizer, "What is the capital of France?"),
+        chat_prompt(tokenizer, "Summarise this in two sentences: " + long_text(tokenizer, 90)),
+        chat_prompt(tokenizer, "What is the main point of this text? " + long_text(tokenizer, 200, start=3)),
+    ]
+    for p in fit:  # prompt + new tokens stay within S+W+K
+        assert len(tokenizer.encode(p)) + FIT_NEW <= CFG.sinks + CFG.window + CFG.budget
+    long = chat_prompt(tokenizer, long_text(tokenizer, 4000, start=5) + "\n\nWhat is this essay about?")
+    assert 3900 < len(tokenizer.encode(long)) < 4300
+    return {"fit": fit, "long": long}
+
+
+def _ids(outs):
+    return [o["output_ids"] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def dense(prompts):
+    engine = sfi_sglang.Engine(disable_sfi=True)
+    try:
+        refs = {
+            "fit_batch": _ids(engine.generate(prompts["fit"], {**GREEDY, "max_new_tokens": FIT_NEW})),
+            "fit_single": [engine.generate(p, {**GREEDY, "max_new_tokens": FIT_NEW})["output_ids"]
+                           for p in prompts["fit"]],
+            "long": engine.generate(prompts["long"], {**GREEDY, "max_new_tokens": 64})["output_ids"],
+            "paris": engine.generate(prompts["fit"][0], {**GREEDY, "max_new_tokens": 16})["text"],
+        }
+    finally:
+        engine.shutdown()
+    return refs
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("trace") / "plugin.txt"
+
+
+@pytest.fixture(scope="module")
+def engine(dense, trace_file):
+    os.environ["SFI_SGLANG_PLUGIN_TRACE"] = str(trace_file)
+    try:
+        engine = sfi_sglang.Engine(**SFI)
+    finally:
+        del os.environ["SFI_SGLANG_PLUGIN_TRACE"]
+    yield engine
+    engine.shutdown()
+
+
+def test_plugin_runs_in_every_sglang_process(engine, trace_file):
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+
+    assert "sfi" in ATTENTION_BACKEND_CHOICES  # this (tokenizer manager) process registered
+    pids = {line.split("\t")[0] for line in trace_file.read_text().splitlines()}
+    assert len(pids - {str(os.getpid())}) >= 2  # scheduler + detokenizer, spawned by this engine
+    assert "sglang::detokenizer" in trace_file.read_text()
+
+
+def test_paris(engine, dense, prompts):
+    out = engine.generate(prompts["fit"][0], {**GREEDY, "max_new_tokens": 16})
+    assert "Paris" in out["text"]
+    assert "Paris" in dense["paris"]
+    assert out["meta_info"]["sfi"]["bootstrap"] is True
+
+
+def test_fitting_contexts_equal_dense_token_for_token(engine, dense, prompts):
+    for prompt, ref in zip(prompts["fit"], dense["fit_single"]):
+        out = engine.generate(prompt, {**GREEDY, "max_new_tokens": FIT_NEW})
+        sfi = out["meta_info"]["sfi"]
+        assert sfi["fast_steps"] > 0 and sfi["bootstrap"]
+        assert out["output_ids"] == ref
+
+
+def test_fitting_contexts_mixed_batch_equal_dense(engine, dense, prompts):
+    outs = engine.generate(prompts["fit"], {**GREEDY, "max_new_tokens": FIT_NEW})
+    assert _ids(outs) == dense["fit_batch"]
+    assert all(o["meta_info"]["sfi"]["fast_steps"] > 0 for o in outs)
+
+
+def test_long_prompt_mostly_fast_and_slow_steps_where_policy_says(engine, dense, prompts, tokenizer):
+    out = engine.generate(prompts["long"], {**GREEDY, "max_new_tokens": 64})
+    ids, sfi = out["output_ids"], out["meta_info"]["sfi"]
+    steps = len(ids) - 1  # the first token comes from prefill
+    assert sfi["fast_steps"] + sfi["slow_steps"] == steps
+    assert sfi["fast_steps"] >= 0.8 * steps, sfi
+
+    policy = TriggerPolicy.from_tokenizer(tokenizer, CFG, max_slots=1, vocab_size=49152)
+    policy.reset(torch.tensor([0]))
+    expect = [j for j in range(1, steps + 1)
+              if bool(policy.step(torch.tensor([ids[j - 1]]), torch.tensor([0]))[0])]
+    assert sfi["slow_at"] == expect
+
+    ref = dense["long"]
+    same = next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), min(len(ids), len(ref)))
+    agree = sum(a == b for a, b in zip(ids, ref)) / max(len(ref), 1)
+    print(f"\n[sfi] 4K prompt, K=256 W=64: {sfi['fast_steps']}/{steps} fast steps; "
+          f"greedy tokens equal to dense for the first {same}, position-wise agreement {agree:.1%}")
+
+
+def test_per_request_disable_gives_dense_output(engine, dense, prompts):
+    out = engine.generate(prompts["long"], {**GREEDY, "max_new_tokens": 64,
+                                            "custom_params": {"sfi": {"enabled": False}}})
+    assert out["output_ids"] == dense["long"]
+    assert out["meta_info"]["sfi"]["fast_steps"] == 0
+
+
+def test_per_request_options_apply(engine, prompts):
+    out = engine.generate(prompts["long"], {**GREEDY, "max_new_tokens": 24,
+                                            "custom_params": {"sfi": {"budget": 128, "max_interval": 8,
+                                                                      "min_gap": 4}}})
+    sfi = out["meta_info"]["sfi"]
+    assert sfi["budget"] == 128
+    assert sfi["slow_steps"] >= 2  # at most 8 steps apart
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    ({"budget": -1}, "budget"),
+    ({"budget": 100000}, "exceeds"),
+    ({"no_such_option": 1}, "no_such_option"),
+    ({"enabled": "yes"}, "enabled"),
+    ("fast please", "must be an object"),
+])
+def test_bad_request_options_error_and_engine_keeps_serving(engine, prompts, bad, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        engine.generate(prompts["fit"][0], {**GREEDY, "max_new_tokens": 4, "custom_params": {"sfi": bad}})
+    out = engine.generate(prompts["fit"][0], {**GREEDY, "max_new_tokens": 4})
+    assert out["meta_info"]["completion_tokens"] == 4
