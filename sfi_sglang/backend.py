@@ -278,7 +278,7 @@ def fast_positions(st: SlotState, layer_id: int, n: int) -> torch.Tensor:
     sel = st.selected[layer_id]
     hkv = sel.shape[0]
     sinks = torch.arange(min(st.cfg.sinks, n)).expand(hkv, -1)
-    window = torch.arange(max(st.win_start, st.cfg.sinks), n).expand(hkv, -1)
+    window = torch.arange(min(max(st.win_start, st.cfg.sinks), n), n).expand(hkv, -1)
     return torch.cat([sinks, sel, window], dim=1)
 
 
