@@ -60,10 +60,17 @@ def load_selector():
     return selector, config
 
 
+def load_memory():
+    load_selector()
+    import sfi_sglang.memory as memory  # noqa
+    return memory
+
+
 SMOKE = os.environ.get("SFI_BENCH_SMOKE") == "1"  # CPU interpreter dry run of the script
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 K = load_kernels()
+sys.modules.setdefault("sfi_sglang.kernels", K)  # sfi_sglang/memory.py's load_kernels finds it
 DEV = "cpu" if SMOKE else "cuda"
 # real Qwen3-4B shapes; SMOKE shrinks them so the script's plumbing can be tried on a CPU
 DIMS = dict(Hkv=8, G=4, D=128, S=4, W=256, Kc=2048)
@@ -327,6 +334,79 @@ def correctness_real(N, B):
     return ok
 
 
+def correctness_memory_selector(memory_mod, selector_mod, cfg_mod):
+    """SparseMemory kernel path (packed) vs its torch reference path (packed=False) on the
+    same CUDA inputs; fast == dense when every candidate is selected; the fused Selector vs
+    the torch Selector (score error, positions agreement)."""
+    log("== SparseMemory + fused Selector correctness")
+    Hkv, G, D, S, W, Kc = (DIMS[k] for k in ("Hkv", "G", "D", "S", "W", "Kc"))
+    ok = True
+    for N, B, full in (((4096, 4, False), (2000, 3, True)) if not SMOKE else ((300, 2, False), (60, 2, True))):
+        st = build_state(B, Hkv, G, D, N, torch.bfloat16, 1, S + Kc, W, contiguous=False, seed=N)
+        s0 = st["sets"][0]
+        rpi = s0["req_pool_indices"]
+        lens = torch.tensor([N - 3 * b for b in range(B)], device=DEV, dtype=torch.int32)
+        n_sel = lens - 2                                    # selected 2 steps ago
+        cfg = cfg_mod.SFIConfig(sinks=S, window=W, budget=Kc, dense_layers=())
+        lo, hi = selector_mod.candidate_range(n_sel, S, W)
+        mem_args = (1, [0], B, Hkv, D, cfg, DEV, torch.bfloat16)
+        mems = [memory_mod.SparseMemory(*mem_args, packed=p) for p in (False, True)]
+        if full:
+            c = torch.clamp(hi - lo, max=Kc)
+            pos = (torch.arange(Kc, device=DEV)[None, None, :] + S).expand(B, Hkv, Kc).contiguous()
+            pos = torch.where(torch.arange(Kc, device=DEV)[None, None, :] < c[:, None, None], pos, -1)
+        else:
+            scores = torch.randn(B, Hkv, 1, N, device=DEV)
+            norms = torch.rand(B, Hkv, N, device=DEV) + 0.5
+            pos = selector_mod.select(scores, norms, lo, hi, Kc, 1, cfg, fused=False)
+            c = torch.clamp(hi - lo, max=Kc)
+        for m in mems:
+            m.store(0, rpi, pos, c, hi, st["k_cache"], st["v_cache"], st["req_to_token"], seq_lens=n_sel)
+        args = (s0["q"], st["k_cache"], st["v_cache"], st["req_to_token"], rpi, lens, D ** -0.5)
+        ref = mems[0].attend_fast(0, *args)
+        out = torch.full_like(s0["q"], float("nan"))
+        mems[1].attend_fast(0, *args, out=out)
+        e = rel_err(out, ref) if torch.isfinite(out).all() else float("nan")
+        ok &= check(f"memory kernel vs reference fast N={N} B={B} all_selected={full}", e, 1e-2)
+        if full:
+            ro, _ = K.ref_dense_decode_with_scores(*args)
+            ok &= check(f"memory fast == dense (all selected) N={N} B={B}", rel_err(out, ro), 1e-2)
+        o1, s1 = mems[0].attend_slow(0, *args, max_len=N)
+        o2, s2 = mems[1].attend_slow(0, *args, max_len=N)
+        ok &= check(f"memory slow kernel vs reference N={N} B={B} out", rel_err(o2, o1), 1e-2)
+        ok &= check(f"memory slow kernel vs reference N={N} B={B} scores",
+                    rel_err(s2[torch.isfinite(s1)], s1[torch.isfinite(s1)]), 1e-3)
+        del st, mems
+    # fused Selector vs torch on real dense-kernel scores
+    N, B = (32768, 2) if not SMOKE else (400, 2)
+    st = build_state(B, Hkv, G, D, N, torch.bfloat16, 1, 16, W, contiguous=False, seed=3)
+    s0 = st["sets"][0]
+    sc = torch.empty(B, Hkv * G, N, device=DEV)
+    K.dense_decode_with_scores(s0["q"], st["k_cache"], st["v_cache"], st["req_to_token"],
+                               s0["req_pool_indices"], s0["seq_lens"], D ** -0.5, scores_out=sc)
+    norms = torch.linalg.vector_norm(st["k_cache"].float(), dim=-1)[
+        st["req_to_token"][s0["req_pool_indices"]].long()].permute(0, 2, 1)
+    cfg = cfg_mod.SFIConfig(sinks=S, window=W, budget=Kc)
+    lo, hi = selector_mod.candidate_range(s0["seq_lens"], S, W)
+    for ov in ({}, {"fusion": "geometric"}):
+        c2 = cfg.replace(**ov)
+        logits = sc.view(B, Hkv, G, N)
+        score = selector_mod.select_scores(logits, norms, lo, hi, 1, c2)
+        key = selector_mod.select_key_fused(logits, norms, lo, hi, 1, c2)
+        fin = torch.isfinite(score)
+        same_mask = torch.equal(fin, torch.isfinite(key) & (key > torch.finfo(torch.float32).min))
+        e = ((key[fin] - score[fin]).abs() / score[fin].abs().clamp_min(1)).max().item()
+        ok &= check(f"fused selector score N={N} B={B} {ov} (max rel)", e if same_mask else float("nan"), 1e-3)
+        a = selector_mod.select(logits, norms, lo, hi, Kc, 1, c2, fused=False)
+        b = selector_mod.select(logits, norms, lo, hi, Kc, 1, c2, fused=True)
+        ok &= check(f"fused selector positions N={N} B={B} {ov} (1 - agreement)",
+                    1.0 - (a == b).float().mean().item(), 0.02)
+    del st, sc
+    if not SMOKE:
+        torch.cuda.empty_cache()
+    return ok
+
+
 # ----------------------------------------------------------------------------- timing
 def hbm_copy():
     log("== HBM copy bandwidth")
@@ -341,7 +421,7 @@ def hbm_copy():
     return bw
 
 
-def run_config(N, B, selector_mod, cfg_mod, l2_bytes, sweep=False):
+def run_config(N, B, selector_mod, cfg_mod, l2_bytes, sweep=False, memory_mod=None):
     Hkv, G, D, S, W, Kc = (DIMS[k] for k in ("Hkv", "G", "D", "S", "W", "Kc"))
     Hq, P = Hkv * G, S + Kc
     elt = 2
@@ -430,24 +510,62 @@ def run_config(N, B, selector_mod, cfg_mod, l2_bytes, sweep=False):
         K.dense_decode_with_scores(s0["q"], *kv, s0["req_pool_indices"], s0["seq_lens"], scale,
                                    scores_out=sc0, out=s0["out"])
 
-        def run_selector(s=s0, sc=sc0):
+        def run_selector(s=s0, sc=sc0, fused=False):
             lo, hi = selector_mod.candidate_range(s["seq_lens"], S, W)
             key_norms = norms_pool[st["req_to_token"][s["req_pool_indices"]].long()].permute(0, 2, 1)
-            return selector_mod.select(sc.view(B, Hkv, G, N), key_norms, lo, hi, Kc, 1, sfi_cfg)
+            return selector_mod.select(sc.view(B, Hkv, G, N), key_norms, lo, hi, Kc, 1, sfi_cfg,
+                                       fused=fused)
 
+        for fused, name in ((True, "selector"), (False, "selector_torch")):
+            try:
+                sel = run_selector(fused=fused)
+                assert sel.shape == (B, Hkv, Kc)
+                if fused:
+                    ref_sel = run_selector(fused=False)
+                    agree = (sel == ref_sel).float().mean().item()
+                    check(f"selector fused vs torch positions N={N} B={B} (1 - agreement)",
+                          1.0 - agree, 0.02)
+                # both no-host-sync now: CUDA-graph replay (GPU time), and do_bench (eager)
+                r = timed("selector_fused" if fused else "selector_torch", cfg,
+                          [lambda f=fused: run_selector(fused=f)], graph=True)
+                res[name] = r
+                summ_extra[name + "_eager_ms"] = r.get("do_bench_ms")
+            except Exception:
+                RESULTS["errors"].append(f"{name} N={N} B={B}: {traceback.format_exc()[-1500:]}")
+                log("  selector failed:", traceback.format_exc()[-600:])
+        if N == 32768 and B == 8 and not SMOKE:
+            # batched over 4 layers (one call, B' = 4 * B): per-layer cost when the slow
+            # step's selections of several layers run together
+            try:
+                L4 = 4
+                sc4 = sc0.view(1, B, Hkv, G, N).expand(L4, -1, -1, -1, -1).reshape(L4 * B, Hkv, G, N)
+                lo4, hi4 = selector_mod.candidate_range(s0["seq_lens"].repeat(L4), S, W)
+                kn4 = norms_pool[st["req_to_token"][s0["req_pool_indices"]].long()].permute(0, 2, 1).repeat(L4, 1, 1)
+                r = timed("selector_fused_4layers", cfg, [lambda: selector_mod.select(
+                    sc4, kn4, lo4, hi4, Kc, 1, sfi_cfg, fused=True)], graph=True)
+                summ_extra["selector_fused_per_layer_batched4_ms"] = r.get("ms", float("nan")) / L4
+                del sc4, kn4
+            except Exception:
+                RESULTS["errors"].append(f"selector 4 layers: {traceback.format_exc()[-1500:]}")
+    # --- SparseMemory.attend_fast (the backend's fast-step entry point) on the same state
+    if memory_mod is not None:
         try:
-            sel = run_selector()
-            assert sel.shape == (B, Hkv, Kc)
-            # eager (slow steps run eagerly): do_bench median incl. launch overhead, no graph
-            res["selector"] = timed("selector_torch", cfg, [run_selector], graph=False)
-            if N == 131072 and B == 8 and not SMOKE:
-                # last config only (a failed capture could upset later work): GPU-only time
-                # of the same Selector under a CUDA graph, to split launch overhead from work
-                r = timed("selector_torch_graph", cfg, [run_selector], graph=True)
-                summ_extra["selector_graph_ms"] = r.get("graph_ms")
+            R_ = st["packed_k"].shape[0]
+            mem = memory_mod.SparseMemory(1, [0], 1, Hkv, D, cfg_mod.SFIConfig(
+                sinks=S, window=W, budget=Kc, dense_layers=()), DEV, torch.bfloat16, packed=True)
+            # share the benchmark's buffers (R_ pool slots) instead of allocating new ones
+            mem.packed_k[0], mem.packed_v[0] = st["packed_k"], st["packed_v"]
+            mem.packed_len = st["packed_len"]
+            mem.win_start = torch.full((R_,), N - W, dtype=torch.int64, device=DEV)
+            mem.n_sinks = torch.full((R_,), S, dtype=torch.int32, device=DEV)
+            mem.fast_ws = torch.full((R_,), N - W, dtype=torch.int64, device=DEV)
+            res["mem_fast"] = timed("memory_attend_fast", cfg, [
+                (lambda s=s: mem.attend_fast(0, s["q"], *kv, s["req_pool_indices"], s["seq_lens"],
+                                             scale, out=s["out"])) for s in sets], fast_bytes)
+            del mem
         except Exception:
-            RESULTS["errors"].append(f"selector N={N} B={B}: {traceback.format_exc()[-1500:]}")
-            log("  selector failed:", traceback.format_exc()[-600:])
+            RESULTS["errors"].append(f"memory N={N} B={B}: {traceback.format_exc()[-1500:]}")
+            log("  memory failed:", traceback.format_exc()[-600:])
     del st, scores, pos
     torch.cuda.empty_cache()
     summ = {"N": N, "B": B, "dense_bytes": dense_bytes, "fast_bytes": fast_bytes,
@@ -461,11 +579,15 @@ def run_config(N, B, selector_mod, cfg_mod, l2_bytes, sweep=False):
         summ["speedup_fast_vs_dense_triton"] = summ["dense_ms"] / summ["fast_ms"]
         summ["fast_GBps"] = fast_bytes / (summ["fast_ms"] * 1e-3) / 1e9
     if summ.get("dense_scores_ms"):
+        # slow step = dense+scores + fused Selector (graph) + pack, per layer
         slow = summ["dense_scores_ms"] + (summ.get("pack_ms") or 0) + (summ.get("selector_ms") or 0)
         summ["slow_step_ms"] = slow
         summ["slow_step_has_selector"] = "selector_ms" in summ and summ["selector_ms"] is not None
         if summ.get("sdpa_ms"):
             summ["slow_over_sdpa"] = slow / summ["sdpa_ms"]
+            if summ.get("selector_torch_ms"):
+                summ["slow_over_sdpa_torch_selector"] = (
+                    summ["dense_scores_ms"] + (summ.get("pack_ms") or 0) + summ["selector_torch_ms"]) / summ["sdpa_ms"]
         summ["slow_over_dense_triton"] = slow / summ["dense_ms"]
     RESULTS.setdefault("summary", []).append(summ)
     return summ
@@ -543,7 +665,8 @@ def plot(path):
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))
     labels = [f"N={s['N'] // 1024}K\nB={s['B']}" for s in summ]
     ops = [("sdpa_ms", "dense SDPA"), ("dense_ms", "dense Triton"), ("dense_scores_ms", "dense+scores"),
-           ("selector_ms", "Selector (torch)"), ("pack_ms", "pack"), ("fast_ms", "fast (SFI)")]
+           ("selector_torch_ms", "Selector (torch, graph)"), ("selector_ms", "Selector (fused, graph)"),
+           ("pack_ms", "pack"), ("fast_ms", "fast (SFI)")]
     w = 0.8 / len(ops)
     for i, (k_, name) in enumerate(ops):
         xs = [j + i * w for j in range(len(summ))]
@@ -556,7 +679,7 @@ def plot(path):
     axes[0].legend(fontsize=8)
     for j, s in enumerate(summ):
         if s.get("speedup_fast_vs_sdpa"):
-            axes[0].annotate(f"{s['speedup_fast_vs_sdpa']:.1f}x", (j + 5 * w, s["fast_ms"]),
+            axes[0].annotate(f"{s['speedup_fast_vs_sdpa']:.1f}x", (j + 6 * w, s["fast_ms"]),
                              ha="center", va="bottom", fontsize=8)
     hbm = RESULTS.get("hbm_copy", {}).get("GBps_read_plus_write")
     bw = [s.get("fast_GBps") or 0 for s in summ]
@@ -597,8 +720,21 @@ def main():
         selector_mod = cfg_mod = None
         RESULTS["errors"].append("selector import: " + traceback.format_exc()[-1000:])
         log("selector import failed")
+    try:
+        memory_mod = load_memory()
+    except Exception:
+        memory_mod = None
+        RESULTS["errors"].append("memory import: " + traceback.format_exc()[-1000:])
+        log("memory import failed")
     hbm = hbm_copy() if not SMOKE else 1.0
-    ok = correctness()
+    ok = True
+    try:
+        ok &= correctness_memory_selector(memory_mod, selector_mod, cfg_mod)
+    except Exception:
+        RESULTS["errors"].append(f"correctness_memory_selector: {traceback.format_exc()[-1500:]}")
+        log(traceback.format_exc()[-1500:])
+        ok = False
+    ok &= correctness()
     for N, B in (((32768, 8), (131072, 2)) if not SMOKE else ((300, 3),)):
         try:
             ok &= correctness_real(N, B)
@@ -642,7 +778,7 @@ def main():
     for N, B in configs:
         try:
             run_config(N, B, selector_mod, cfg_mod, l2,
-                       sweep=args.sweep and (N == 8192 or (SMOKE and N == 256)))
+                       sweep=args.sweep and (N == 8192 or (SMOKE and N == 256)), memory_mod=memory_mod)
         except Exception:
             RESULTS["errors"].append(f"config {N} {B}: {traceback.format_exc()[-1500:]}")
             log(traceback.format_exc()[-1500:])
@@ -668,12 +804,12 @@ def main():
     log(f"\nHBM copy {hbm:.0f} GB/s; checks ok={RESULTS['all_checks_ok']}; errors={len(RESULTS['errors'])}")
     for e in RESULTS["errors"]:
         log("ERROR:", e[-400:])
-    hdr = f"{'N':>7} {'B':>2} {'sdpa_us':>9} {'dense_us':>9} {'d+sc_us':>9} {'sel_us':>9} {'pack_us':>8} {'fast_us':>8} {'x_sdpa':>7} {'fastGB/s':>8} {'slow/sdpa':>9}"
+    hdr = f"{'N':>7} {'B':>2} {'sdpa_us':>9} {'dense_us':>9} {'d+sc_us':>9} {'selF_us':>9} {'selT_us':>9} {'pack_us':>8} {'fast_us':>8} {'memf_us':>9} {'x_sdpa':>7} {'fastGB/s':>8} {'slow/sdpa':>9}"
     log(hdr)
     for s in RESULTS.get("summary", []):
         f = lambda k_, m=1e3: f"{s[k_] * m:9.1f}" if s.get(k_) is not None else f"{'-':>9}"
-        log(f"{s['N']:>7} {s['B']:>2} {f('sdpa_ms')} {f('dense_ms')} {f('dense_scores_ms')} {f('selector_ms')}"
-            f" {f('pack_ms')} {f('fast_ms')} {f('speedup_fast_vs_sdpa', 1)} {f('fast_GBps', 1)} {f('slow_over_sdpa', 1)}")
+        log(f"{s['N']:>7} {s['B']:>2} {f('sdpa_ms')} {f('dense_ms')} {f('dense_scores_ms')} {f('selector_ms')} {f('selector_torch_ms')}"
+            f" {f('pack_ms')} {f('fast_ms')} {f('mem_fast_ms')} {f('speedup_fast_vs_sdpa', 1)} {f('fast_GBps', 1)} {f('slow_over_sdpa', 1)}")
     log(f"wall {time.time() - t0:.0f}s")
 
 

@@ -19,6 +19,7 @@ if HAS_TRITON:
     from .fast_decode import fast_decode
     from .key_norms import store_key_norms
     from .pack import pack
+    from .selector import fused_topk_key
     from .slow_decode import dense_decode, dense_decode_with_scores
 else:  # pragma: no cover
     def fast_decode(*args, **kwargs):
@@ -36,9 +37,10 @@ else:  # pragma: no cover
         return ref_store_key_norms(*args)
 
     dense_decode = None
+    fused_topk_key = None
 
 __all__ = [
     "fast_decode", "dense_decode_with_scores", "dense_decode", "pack", "store_key_norms",
     "ref_fast_decode", "ref_dense_decode_with_scores", "ref_pack", "ref_store_key_norms",
-    "HAS_TRITON",
+    "HAS_TRITON", "fused_topk_key",
 ]

@@ -114,7 +114,9 @@ def fusion_weight(log_f: torch.Tensor, log_r: torch.Tensor, n_rows, cfg: SFIConf
     den = ((f - r) ** 2).sum(-1)
     lam = torch.where(den > 1e-20, (sff - sfr) / den.clamp_min(1e-20), torch.zeros_like(den))
     if not torch.is_tensor(n_rows):
-        n_rows = torch.tensor(n_rows, device=log_f.device)
+        # a Python int: no host-to-device copy (keeps select CUDA-graph capturable)
+        lam_max = cfg.lambda_max_single if int(n_rows) == 1 else cfg.lambda_max_multi
+        return lam.clamp(0.0, lam_max)
     single = (n_rows.to(log_f.device) == 1)
     lam_max = torch.where(single, cfg.lambda_max_single, cfg.lambda_max_multi).float()
     if lam_max.dim() == 1:
@@ -133,8 +135,9 @@ def fuse(log_f: torch.Tensor, log_r: torch.Tensor, n_rows, cfg: SFIConfig) -> to
         return log_f
     lam = fusion_weight(log_f, log_r, n_rows, cfg)[..., None]      # [B,H,1]
     if cfg.fusion == "arithmetic":
-        a = torch.where(lam < 1, log_f + torch.log1p(-lam), log_f.new_tensor(NEG_INF))
-        b = torch.where(lam > 0, log_r + lam.log(), log_r.new_tensor(NEG_INF))
+        # Python-scalar branches: no host-to-device copy (CUDA-graph capturable)
+        a = torch.where(lam < 1, log_f + torch.log1p(-lam), NEG_INF)
+        b = torch.where(lam > 0, log_r + lam.log(), NEG_INF)
         return torch.logaddexp(a, b)
     # geometric: guard 0 * -inf where l == 0 (log_r is -inf only off the candidates)
     b = torch.where(lam > 0, lam * log_r, torch.zeros_like(log_r))
@@ -197,6 +200,13 @@ def top_k_positions(score: torch.Tensor, cand_mask: torch.Tensor, k: int) -> tor
     lowest = torch.finfo(torch.float32).min
     key = torch.where(torch.isfinite(score), score.float(), torch.full_like(score, lowest, dtype=torch.float32))
     key = torch.where(cand, key, torch.full_like(key, NEG_INF))
+    return _top_k_from_key(key, k)
+
+
+def _top_k_from_key(key: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k of a ranking key [B, H, N] float32 (-inf = never chosen) -> sorted positions
+    [B, H, k] int64, -1 padded at the end. No host sync."""
+    n = key.shape[-1]
     kk = min(k, n)
     val, idx = key.topk(kk, dim=-1) if kk > 0 else (key[..., :0], key[..., :0].long())
     big = torch.iinfo(torch.int64).max
@@ -209,12 +219,52 @@ def top_k_positions(score: torch.Tensor, cand_mask: torch.Tensor, k: int) -> tor
 
 
 def select(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-           k: int, n_rows, cfg: SFIConfig) -> torch.Tensor:
+           k: int, n_rows, cfg: SFIConfig, fused=None) -> torch.Tensor:
     """Selected positions [B, H, k] int64 (sorted ascending, -1 padding at the end).
 
     logits [B, H, R, N] of the slow step's rows (-inf where masked), key_norms [B, H, N],
     lo/hi [B] the candidate range [lo, hi) (see candidate_range), n_rows the number of
-    captured query rows (int or [B]).
+    captured query rows (int or [B]). fused: use the Triton pipeline (select_key_fused);
+    default: on CUDA when Triton imports. Either way no host sync (CUDA-graph capturable).
+    B may flatten layers x requests.
     """
+    if fused is None:
+        fused = logits.is_cuda and _fused_available()
+    if fused:
+        return _top_k_from_key(select_key_fused(logits, key_norms, lo, hi, n_rows, cfg), k)
     score = select_scores(logits, key_norms, lo, hi, n_rows, cfg)
     return top_k_positions(score, candidate_mask(lo, hi, logits.shape[-1]), k)
+
+
+# ------------------------------------------------------------------ fused GPU path
+_FUSED_OK = None
+
+
+def _fused_available() -> bool:
+    global _FUSED_OK
+    if _FUSED_OK is None:
+        try:
+            from sfi_sglang.memory import load_kernels
+
+            _FUSED_OK = getattr(load_kernels(), "fused_topk_key", None) is not None
+        except Exception:  # pragma: no cover - no triton
+            _FUSED_OK = False
+    return _FUSED_OK
+
+
+def select_key_fused(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor,
+                     hi: torch.Tensor, n_rows, cfg: SFIConfig) -> torch.Tensor:
+    """Steps 1-5 + the top-k key of top_k_positions, fused in Triton (kernels/selector.py):
+    [B, H, N] float32, s'' on the candidates (float32 lowest where s'' is -inf), -inf off
+    them. Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1. No host sync."""
+    from sfi_sglang.memory import load_kernels
+
+    b = logits.shape[0]
+    if torch.is_tensor(n_rows):
+        single = n_rows.to(logits.device).reshape(-1) == 1
+        lam_max = torch.where(single, cfg.lambda_max_single, cfg.lambda_max_multi).float()
+        lam_max = lam_max.expand(b).contiguous()
+    else:
+        lam_max = torch.full((b,), cfg.lambda_max_single if int(n_rows) == 1 else cfg.lambda_max_multi,
+                             dtype=torch.float32, device=logits.device)
+    return load_kernels().fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg)

@@ -1,0 +1,300 @@
+"""SparseMemory: the per-request SFI sparse memory, in tensors indexed by SGLang's
+ReqToTokenPool slot (one concept, one place). Device-agnostic; no SGLang import.
+
+Per slot (request) and sparse layer and KV head, a fast step at context length t attends to
+    sinks     [0, min(S, t))
+    selected  the sel_count[slot] positions recorded by the last `store` (in [S, win_start))
+    window    [min(max(win_start, S), t), t)
+(the semantics of backend.fast_positions + attend). The three sets are disjoint; when all
+candidates were selected their union is the whole history and a fast step equals dense.
+
+Two implementations of the same semantics:
+  packed=False (CPU): torch reference. Positions are gathered through req_to_token and
+      attended with SDPA, one call per group of rows of equal length (bit-identical to one
+      SDPA call per row, the layout of SGLang's torch_native decode).
+  packed=True (CUDA, or CPU under TRITON_INTERPRET=1): at `store`, sinks + selected K/V are
+      copied by kernels.pack into packed_k/packed_v[layer][slot, h, :S+K] (sinks first,
+      then selected), and `attend_fast` is one kernels.fast_decode launch over the packed
+      prefix + the window read in place. No host sync on the fast path (CUDA-graph safe).
+
+Slow steps: `attend_slow` = dense attention + raw logits (the Selector's evidence) through
+kernels.dense_decode_with_scores (packed) or kernels.reference (CPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+from typing import Iterable, Optional
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_kernels():
+    """The kernels package: `sfi_sglang.kernels` when installed (package-dir mapping),
+    else kernels/ of this checkout loaded by path under the same name."""
+    mod = sys.modules.get("sfi_sglang.kernels")
+    if mod is not None:
+        return mod
+    try:
+        from sfi_sglang import kernels  # noqa: F401
+
+        return kernels
+    except ImportError:
+        pass
+    spec = importlib.util.spec_from_file_location(
+        "sfi_sglang.kernels", _REPO / "kernels" / "__init__.py",
+        submodule_search_locations=[str(_REPO / "kernels")])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["sfi_sglang.kernels"] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except Exception:
+        del sys.modules["sfi_sglang.kernels"]
+        raise
+    return mod
+
+
+class SparseMemory:
+    """Sparse-memory state of up to `max_slots` requests (ReqToTokenPool slots).
+
+    Tensors (all on `device`):
+      sel_pos   [L_sparse, max_slots, H_kv, K] int32, selected positions, sorted, -1 padded
+      sel_count [max_slots] int32   valid entries of sel_pos[:, slot] (same for every layer
+                                    and head of a selection)
+      win_start [max_slots] int64   first window position (= hi of the last selection)
+      n_sinks   [max_slots] int32   sinks packed at the last selection (min(S, n)); the
+                                    packed path's window then starts at n_sinks when it is
+                                    < S, so short contexts grow into the sinks correctly
+      fast_ws   [max_slots] int64   the packed path's window start, set by `store`
+    packed=True adds
+      packed_k, packed_v  list over sparse layers of [max_slots, H_kv, S+K, D] (`dtype`)
+      packed_len [max_slots] int32  = n_sinks + sel_count
+    Layer ids are model layer ids; `sparse_layer_ids` maps them to rows of sel_pos.
+    """
+
+    def __init__(self, num_layers: int, sparse_layer_ids: Iterable[int], max_slots: int,
+                 num_kv_heads: int, head_dim: int, cfg, device, dtype=torch.bfloat16,
+                 packed: Optional[bool] = None):
+        self.device = torch.device(device)
+        self.num_layers = int(num_layers)
+        self.sparse_layer_ids = sorted(int(i) for i in sparse_layer_ids)
+        self.layer_index = {lid: i for i, lid in enumerate(self.sparse_layer_ids)}
+        self.max_slots = int(max_slots)
+        self.num_kv_heads = int(num_kv_heads)
+        self.head_dim = int(head_dim)
+        self.cfg = cfg
+        self.sinks = int(cfg.sinks)
+        self.window = int(cfg.window)
+        self.budget = int(cfg.budget)
+        self.dtype = dtype
+        self.packed = (self.device.type == "cuda") if packed is None else bool(packed)
+        L, M, H, K = len(self.sparse_layer_ids), self.max_slots, self.num_kv_heads, self.budget
+        dev = self.device
+        self.sel_pos = torch.full((L, M, H, K), -1, dtype=torch.int32, device=dev)
+        self.sel_count = torch.zeros(M, dtype=torch.int32, device=dev)
+        self.win_start = torch.zeros(M, dtype=torch.int64, device=dev)
+        self.n_sinks = torch.zeros(M, dtype=torch.int32, device=dev)
+        # window start of the packed path, precomputed at store (one gather per fast step)
+        self.fast_ws = torch.zeros(M, dtype=torch.int64, device=dev)
+        self.packed_k: list[torch.Tensor] = []
+        self.packed_v: list[torch.Tensor] = []
+        self.packed_len = None
+        if self.packed:
+            P = self.sinks + K
+            self.packed_k = [torch.zeros(M, H, P, self.head_dim, dtype=dtype, device=dev) for _ in range(L)]
+            self.packed_v = [torch.zeros(M, H, P, self.head_dim, dtype=dtype, device=dev) for _ in range(L)]
+            self.packed_len = torch.zeros(M, dtype=torch.int32, device=dev)
+        self._k = load_kernels() if self.packed else None
+        self._ar_k = torch.arange(K, device=dev)
+        self._ar_s = torch.arange(self.sinks, device=dev)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def bytes(self) -> int:
+        """Device bytes held by this memory."""
+        ts = [self.sel_pos, self.sel_count, self.win_start, self.n_sinks, self.fast_ws, *self.packed_k,
+              *self.packed_v]
+        if self.packed_len is not None:
+            ts.append(self.packed_len)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def _slots(self, slots) -> torch.Tensor:
+        if not torch.is_tensor(slots):
+            slots = torch.as_tensor(list(slots) if not isinstance(slots, int) else [slots])
+        return slots.to(device=self.device, dtype=torch.int64)
+
+    def reset(self, slots) -> None:
+        """A new request in these slots: no selection, empty packed memory."""
+        s = self._slots(slots)
+        self.sel_pos[:, s] = -1
+        self.sel_count[s] = 0
+        self.win_start[s] = 0
+        self.n_sinks[s] = 0
+        self.fast_ws[s] = 0
+        if self.packed_len is not None:
+            self.packed_len[s] = 0
+
+    def selected(self, layer_id: int, slot: int) -> torch.Tensor:
+        """Selected positions [H_kv, sel_count] int64 of one slot (host sync; for tests/stats)."""
+        c = int(self.sel_count[slot])
+        return self.sel_pos[self.layer_index[layer_id], slot, :, :c].long()
+
+    # ------------------------------------------------------------------ slow step: record
+    def store(self, layer_id: int, slots, positions: torch.Tensor, sel_count, win_start,
+              k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+              seq_lens: Optional[torch.Tensor] = None) -> None:
+        """Record a selection of one layer for rows `slots` [b].
+
+        positions [b, H_kv, K'] int (K' <= K; sorted ascending, -1 padded; entries at or
+        past sel_count are ignored), sel_count [b], win_start [b] (= hi of the selection),
+        seq_lens [b] optional: context length at the selection, only needed when it can be
+        shorter than the sinks (then only min(S, n) sinks exist yet; default: n >= S).
+        When packed, copies sinks + selected K/V into the packed buffers (kernels.pack).
+        No host sync.
+        """
+        li = self.layer_index[layer_id]
+        s = self._slots(slots)
+        b = s.shape[0]
+        if b == 0:
+            return
+        dev = self.device
+        positions = positions.to(dev)
+        kp = positions.shape[-1]
+        assert kp <= self.budget, f"{kp} selected positions > budget {self.budget}"
+        cnt = torch.as_tensor(sel_count, device=dev).to(torch.int64).reshape(-1).expand(b)
+        valid = self._ar_k[:kp][None, None, :] < cnt[:, None, None]
+        pos = torch.where(valid, positions.to(torch.int32), -1)
+        if kp < self.budget:
+            pos = torch.nn.functional.pad(pos, (0, self.budget - kp), value=-1)
+        self.sel_pos[li, s] = pos
+        self.sel_count[s] = cnt.to(torch.int32)
+        self.win_start[s] = torch.as_tensor(win_start, device=dev).to(torch.int64).reshape(-1).expand(b)
+        if seq_lens is None:
+            ns = torch.full((b,), self.sinks, dtype=torch.int32, device=dev)
+        else:
+            ns = torch.clamp(torch.as_tensor(seq_lens, device=dev).to(torch.int64).reshape(-1),
+                             max=self.sinks).to(torch.int32).expand(b)
+        self.n_sinks[s] = ns
+        self.fast_ws[s] = self._fast_window_start(s)
+        if not self.packed:
+            return
+        # packed rows: sinks [0, n_sinks) then the selected positions (valid prefix, -1 after)
+        H = self.num_kv_heads
+        sink = torch.where(self._ar_s[None, :] < ns[:, None], self._ar_s[None, :].to(torch.int32), -1)
+        rows = torch.cat([sink[:, None, :].expand(b, H, self.sinks), pos[..., :kp]], dim=-1)
+        # when n_sinks < S the selection is empty, so -1s stay a suffix
+        self._k.pack(k_cache, v_cache, req_to_token, s, rows.contiguous(),
+                     self.packed_k[li], self.packed_v[li])
+        self.packed_len[s] = ns + cnt.to(torch.int32)
+
+    # ------------------------------------------------------------------ fast step
+    def _fast_window_start(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
+        """Window start of the packed path per batch row: max(win_start, S), or n_sinks
+        when fewer than S sinks were packed (the window then also covers the later sinks)."""
+        ws = self.win_start[req_pool_indices].clamp_min(self.sinks)
+        ns = self.n_sinks[req_pool_indices].to(torch.int64)
+        return torch.where(ns < self.sinks, ns, ws)
+
+    def attend_fast(self, layer_id: int, q: torch.Tensor, k_cache, v_cache, req_to_token,
+                    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
+                    out: Optional[torch.Tensor] = None, **kernel_kw) -> torch.Tensor:
+        """Fast-step attention q [b, H_q, D] -> [b, H_q, D] over sinks + selected + window.
+        Packed: one kernels.fast_decode launch (no host sync); else the torch reference."""
+        li = self.layer_index[layer_id]
+        rpi = req_pool_indices.to(self.device).long()
+        if self.packed:
+            ws = self.fast_ws[rpi]
+            return self._k.fast_decode(q, k_cache, v_cache, req_to_token, rpi, seq_lens, ws,
+                                       self.packed_k[li], self.packed_v[li], self.packed_len,
+                                       sm_scale, out=out, **kernel_kw)
+        return self._attend_fast_ref(li, q, k_cache, v_cache, req_to_token, rpi, seq_lens,
+                                     sm_scale, out)
+
+    def fast_positions(self, layer_id: int, slot: int, t: int) -> torch.Tensor:
+        """Positions [H_kv, L] int64 of a fast step of `slot` at context length t (sinks,
+        selected, window; ascending, disjoint). Host sync; the reference path."""
+        li = self.layer_index[layer_id]
+        return self._positions(li, slot, t, int(self.sel_count[slot]), int(self.win_start[slot]))
+
+    def _positions(self, li, slot, t, count, ws):
+        H, S = self.num_kv_heads, self.sinks
+        sel = self.sel_pos[li, slot, :, :count].long()
+        sinks = torch.arange(min(S, t), device=self.device).expand(H, -1)
+        window = torch.arange(min(max(ws, S), t), t, device=self.device).expand(H, -1)
+        return torch.cat([sinks, sel, window], dim=1)
+
+    def _attend_fast_ref(self, li, q, k_cache, v_cache, req_to_token, rpi, seq_lens, sm_scale, out):
+        B, Hq, D = q.shape
+        H = self.num_kv_heads
+        if out is None:
+            out = q.new_empty((B, Hq, v_cache.shape[-1]))
+        if B == 0:
+            return out
+        slots = rpi.tolist()
+        ts = seq_lens.tolist()
+        counts = self.sel_count[rpi].tolist()
+        wss = self.win_start[rpi].tolist()
+        groups: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for i in range(B):
+            pos = self._positions(li, slots[i], int(ts[i]), int(counts[i]), int(wss[i]))
+            groups.setdefault(pos.shape[1], []).append((i, pos))
+        heads = torch.arange(H, device=self.device)[None, None, :]
+        for L, items in groups.items():
+            rows = torch.tensor([i for i, _ in items], device=self.device)
+            pos = torch.stack([p for _, p in items])                                # [g, H, L]
+            tok = req_to_token[rpi[rows]].long()                                     # [g, N]
+            kv_slot = torch.gather(tok, 1, pos.reshape(len(items), -1)).view(len(items), H, L)
+            kv_slot = kv_slot.transpose(1, 2)                                        # [g, L, H]
+            key = k_cache[kv_slot, heads].permute(0, 2, 1, 3)                        # [g, H, L, D]
+            value = v_cache[kv_slot, heads].permute(0, 2, 1, 3)
+            if key.dtype != q.dtype:
+                key, value = key.to(q.dtype), value.to(q.dtype)
+            o = scaled_dot_product_attention(q[rows][:, :, None, :], key, value, scale=sm_scale,
+                                             enable_gqa=Hq != H)
+            out[rows] = o[:, :, 0, :].to(out.dtype)
+        return out
+
+    # ------------------------------------------------------------------ slow step
+    def attend_slow(self, layer_id: int, q: torch.Tensor, k_cache, v_cache, req_to_token,
+                    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
+                    out: Optional[torch.Tensor] = None, scores_out: Optional[torch.Tensor] = None,
+                    max_len: Optional[int] = None):
+        """Dense attention + raw logits: (out [b, H_q, D] q.dtype, scores [b, H_q, N_max]
+        float32, -inf at positions >= seq_len). N_max = scores_out.shape[2], else max_len,
+        else max(seq_lens) (host sync). Packed: kernels.dense_decode_with_scores; else the
+        reference in float32 (kernels.reference)."""
+        rpi = req_pool_indices.to(self.device).long()
+        if self.packed:
+            return self._k.dense_decode_with_scores(q, k_cache, v_cache, req_to_token, rpi,
+                                                    seq_lens, sm_scale, scores_out=scores_out,
+                                                    out=out, max_len=max_len)
+        ref = _reference()
+        if out is None:
+            out = torch.empty_like(q)
+        if scores_out is None:
+            n_max = max_len if max_len is not None else (int(seq_lens.max()) if q.shape[0] else 0)
+            scores_out = torch.empty((q.shape[0], q.shape[1], n_max), dtype=torch.float32,
+                                     device=q.device)
+        if q.shape[0] == 0:
+            return out, scores_out
+        return ref.ref_dense_decode_with_scores(q, k_cache, v_cache, req_to_token, rpi, seq_lens,
+                                                sm_scale, scores_out=scores_out, out=out,
+                                                compute_dtype=torch.float32)
+
+
+def _reference():
+    """kernels/reference.py loaded by path (pure torch: the CPU path never imports triton,
+    which would fix TRITON_INTERPRET for the whole process)."""
+    name = "_sfi_kernels_reference"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, _REPO / "kernels" / "reference.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+

@@ -1,0 +1,263 @@
+"""SparseMemory (sfi_sglang/memory.py): the torch reference path against float64 dense
+attention when every candidate is selected, and the kernel path (packed buffers +
+kernels.fast_decode / dense_decode_with_scores, run under TRITON_INTERPRET=1 on CPU
+tensors) against the reference path on the same inputs. Also the fused Triton Selector
+(kernels/selector.py) against sfi_sglang.selector's torch pipeline.
+
+Small shapes, fresh random inputs, ragged lengths, GQA groups 1/3/4.
+"""
+
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+_TRITON_PREIMPORTED = "triton" in sys.modules
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from sfi_sglang.config import SFIConfig  # noqa: E402
+from sfi_sglang.memory import SparseMemory, _reference  # noqa: E402
+
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+REF = _reference()
+
+
+def _interpreter_usable():
+    """As in test_kernels.py: TRITON_INTERPRET only applies if set before triton's import."""
+    if torch.cuda.is_available() or not _TRITON_PREIMPORTED:
+        return True
+    import triton.language.standard as std
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(std.cdiv, InterpretedFunction)
+
+
+_IN_PROCESS = _interpreter_usable()
+if not _IN_PROCESS and os.environ.get("SFI_MEMORY_SUBPROCESS") == "1":
+    raise RuntimeError("triton imported before TRITON_INTERPRET could be set")
+
+kernel_test = pytest.mark.skipif(not _IN_PROCESS, reason="covered by test_kernel_path_in_fresh_process")
+
+if not _IN_PROCESS:
+    def test_kernel_path_in_fresh_process():
+        env = dict(os.environ, TRITON_INTERPRET="1", SFI_MEMORY_SUBPROCESS="1")
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            "-k", "kernel", str(pathlib.Path(__file__).resolve())],
+                           cwd=str(_REPO), env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    return (torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref)).item()
+
+
+def make_pool(seq_lens, Hkv, G, D, max_slots=8, dtype=torch.float32, seed=None):
+    """Random KV pool with shuffled slots; requests in random pool slots."""
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    num = sum(seq_lens) + 9
+    k_cache = torch.randn(num, Hkv, D, generator=gen).to(dtype)
+    v_cache = torch.randn(num, Hkv, D, generator=gen).to(dtype)
+    perm = torch.randperm(num, generator=gen)
+    rpi = torch.randperm(max_slots, generator=gen)[:len(seq_lens)].long()
+    rtt = torch.full((max_slots, max(seq_lens) + 4), num + 10**6, dtype=torch.int32)  # junk
+    off = 0
+    for b, n in enumerate(seq_lens):
+        rtt[rpi[b], :n] = perm[off:off + n].int()
+        off += n
+    q = torch.randn(len(seq_lens), Hkv * G, D, generator=gen).to(dtype)
+    st = dict(k=k_cache, v=v_cache, rtt=rtt, rpi=rpi, q=q,
+              seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
+    return {k_: v_.to(DEV) for k_, v_ in st.items()}, gen
+
+
+def selection(cfg, n_sel, Hkv, gen, k=None):
+    """Per row: positions [b, H_kv, K] (sorted, -1 padded), sel_count, win_start for a
+    selection at context lengths n_sel; k=None selects every candidate of [S, hi)."""
+    S, W = cfg.sinks, cfg.window
+    B = len(n_sel)
+    pos = torch.full((B, Hkv, cfg.budget), -1, dtype=torch.int64)
+    cnt = torch.zeros(B, dtype=torch.int32)
+    ws = torch.zeros(B, dtype=torch.int64)
+    for b, n in enumerate(n_sel):
+        hi = max(S, n - W)
+        ws[b] = hi
+        c = min(cfg.budget, hi - S) if k is None else min(k, cfg.budget, hi - S)
+        cnt[b] = c
+        for h in range(Hkv):
+            if k is None:
+                p = torch.arange(S, hi)
+            else:
+                p = (torch.randperm(hi - S, generator=gen)[:c] + S).sort().values
+            pos[b, h, :c] = p
+    return pos.to(DEV), cnt.to(DEV), ws.to(DEV)
+
+
+def dense64(st, sm_scale):
+    out, _ = REF.ref_dense_decode_with_scores(st["q"], st["k"], st["v"], st["rtt"], st["rpi"],
+                                              st["seq_lens"], sm_scale)
+    return out
+
+
+CFG = SFIConfig(sinks=4, window=8, budget=48, dense_layers=())
+
+
+# ------------------------------------------------------------------ reference path
+@pytest.mark.parametrize("G", [1, 3, 4])
+def test_reference_all_selected_equals_dense(G):
+    """Selection at n_sel (every candidate fits in K), fast step at t >= n_sel (the window
+    grew): sinks + selected + window is the whole history -> equals dense."""
+    Hkv, D = 2, 16
+    n_sel = [40, 60, 13, 2, 5]             # 2 < S: bootstrap of a context shorter than the sinks
+    t = [43, 60, 20, 7, 9]
+    st, gen = make_pool(t, Hkv, G, D)
+    mem = SparseMemory(4, [1, 3], 8, Hkv, D, CFG, DEV, torch.float32, packed=False)
+    pos, cnt, ws = selection(CFG, n_sel, Hkv, gen)
+    for lid in (1, 3):
+        mem.store(lid, st["rpi"], pos, cnt, ws, st["k"], st["v"], st["rtt"],
+                  seq_lens=torch.tensor(n_sel, device=DEV))
+    ref = dense64(st, D ** -0.5)
+    for lid in (1, 3):
+        out = mem.attend_fast(lid, st["q"], st["k"], st["v"], st["rtt"], st["rpi"], st["seq_lens"],
+                              D ** -0.5)
+        assert out.dtype == torch.float32 and out.shape == st["q"].shape
+        assert rel_err(out, ref) < 1e-5
+    # positions: ascending, disjoint, the whole history
+    for b, slot in enumerate(st["rpi"].tolist()):
+        p = mem.fast_positions(1, slot, t[b])
+        assert p.shape == (Hkv, t[b]) and (p == torch.arange(t[b], device=DEV)).all()
+
+
+def test_reference_partial_selection_matches_positions():
+    """Partial selection: attend_fast == float64 attention over exactly the positions
+    sinks + selected + window (backend.fast_positions semantics), batched rows of equal
+    and different lengths."""
+    Hkv, G, D = 2, 4, 16
+    cfg = SFIConfig(sinks=4, window=8, budget=12, dense_layers=())
+    n_sel = [80, 80, 50, 70]
+    t = [83, 83, 50, 74]
+    st, gen = make_pool(t, Hkv, G, D)
+    mem = SparseMemory(2, [0, 1], 8, Hkv, D, cfg, DEV, torch.float32, packed=False)
+    pos, cnt, ws = selection(cfg, n_sel, Hkv, gen, k=10)
+    mem.store(1, st["rpi"], pos[..., :10], cnt, ws, st["k"], st["v"], st["rtt"])
+    out = mem.attend_fast(1, st["q"], st["k"], st["v"], st["rtt"], st["rpi"], st["seq_lens"], 0.25)
+    for b, slot in enumerate(st["rpi"].tolist()):
+        p = mem.fast_positions(1, slot, t[b])                   # [H, L]
+        hi = int(ws[b])
+        assert p.shape[1] == 4 + 10 + (t[b] - hi)
+        assert torch.equal(p[:, 4:14], pos[b, :, :10])
+        slots = st["rtt"][slot][p].long()                       # [H, L]
+        keys = st["k"][slots, torch.arange(Hkv)[:, None]].double()
+        vals = st["v"][slots, torch.arange(Hkv)[:, None]].double()
+        qg = st["q"][b].double().view(Hkv, G, D)
+        w = torch.softmax(torch.einsum("hgd,hld->hgl", qg, keys) * 0.25, -1)
+        o = torch.einsum("hgl,hld->hgd", w, vals).reshape(Hkv * G, D)
+        assert rel_err(out[b], o) < 1e-5
+
+
+def test_reset_store_and_bytes():
+    Hkv, D = 2, 8
+    mem = SparseMemory(3, [1, 2], 5, Hkv, D, CFG, DEV, torch.float16, packed=False)
+    L, M, K = 2, 5, CFG.budget
+    assert mem.bytes() == L * M * Hkv * K * 4 + M * 4 + M * 8 + M * 4 + M * 8
+    st, gen = make_pool([70, 30], Hkv, 1, D, max_slots=5)
+    pos, cnt, ws = selection(CFG, [70, 30], Hkv, gen, k=5)
+    mem.store(2, st["rpi"], pos, cnt, ws, st["k"], st["v"], st["rtt"])
+    slot = int(st["rpi"][0])
+    assert mem.selected(2, slot).shape == (Hkv, 5) and int(mem.win_start[slot]) == 62
+    assert (mem.sel_pos[mem.layer_index[2], slot, :, 5:] == -1).all()
+    mem.reset(st["rpi"][:1])
+    assert int(mem.sel_count[slot]) == 0 and (mem.sel_pos[:, slot] == -1).all()
+    assert int(mem.sel_count[int(st["rpi"][1])]) == 5
+    pk = SparseMemory(3, [1, 2], 5, Hkv, D, CFG, DEV, torch.float16, packed=True)
+    assert pk.bytes() == mem.bytes() + 2 * L * M * Hkv * (CFG.sinks + K) * D * 2 + M * 4
+
+
+# ------------------------------------------------------------------ kernel path == reference
+@kernel_test
+@pytest.mark.parametrize("G,full", [(1, True), (3, False), (4, False), (4, True)])
+def test_kernel_path_matches_reference(G, full):
+    Hkv, D = 2, 32
+    cfg = SFIConfig(sinks=4, window=8, budget=40 if full else 12, dense_layers=())
+    n_sel = [30, 52, 3, 17] if full else [60, 52, 3, 17]
+    t = [34, 52, 6, 20] if full else [66, 52, 6, 20]
+    st, gen = make_pool(t, Hkv, G, D, seed=None)
+    mems = [SparseMemory(2, [1], 8, Hkv, D, cfg, DEV, torch.float32, packed=p) for p in (False, True)]
+    assert mems[1].packed and not mems[0].packed
+    pos, cnt, ws = selection(cfg, n_sel, Hkv, gen, k=None if full else 10)
+    for m in mems:
+        m.reset(st["rpi"])
+        m.store(1, st["rpi"], pos, cnt, ws, st["k"], st["v"], st["rtt"],
+                seq_lens=torch.tensor(n_sel, device=DEV))
+    args = (st["q"], st["k"], st["v"], st["rtt"], st["rpi"], st["seq_lens"], D ** -0.5)
+    ref = mems[0].attend_fast(1, *args)
+    out = torch.full_like(st["q"], float("nan"))
+    mems[1].attend_fast(1, *args, out=out)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-5
+    if full:
+        assert rel_err(out, dense64(st, D ** -0.5)) < 1e-5
+    # slow step: dense + scores, kernel vs reference
+    o_ref, s_ref = mems[0].attend_slow(1, *args, max_len=max(t) + 3)
+    o_k, s_k = mems[1].attend_slow(1, *args, max_len=max(t) + 3)
+    assert rel_err(o_k, o_ref) < 1e-5 and rel_err(o_ref, dense64(st, D ** -0.5)) < 1e-5
+    fin = torch.isfinite(s_ref)
+    assert torch.equal(fin, torch.isfinite(s_k)) and rel_err(s_k[fin], s_ref[fin]) < 1e-5
+
+
+@kernel_test
+def test_kernel_path_half_precision_and_restore():
+    """Half-precision pool (bf16 on CUDA; fp16 on CPU: the Triton 3.8 interpreter's tl.dot
+    on bf16 returns garbage, see test_kernels.py); a second selection overwrites the first."""
+    Hkv, G, D = 2, 4, 32
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float16
+    cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=())
+    t = [70, 45]
+    st, gen = make_pool(t, Hkv, G, D, dtype=dt)
+    mems = [SparseMemory(1, [0], 8, Hkv, D, cfg, DEV, dt, packed=p) for p in (False, True)]
+    args = (st["q"], st["k"], st["v"], st["rtt"], st["rpi"], st["seq_lens"], D ** -0.5)
+    for k in (16, 5):
+        pos, cnt, ws = selection(cfg, [66, 45], Hkv, gen, k=k)
+        for m in mems:
+            m.store(0, st["rpi"], pos, cnt, ws, st["k"], st["v"], st["rtt"])
+        ref = mems[0].attend_fast(0, *args)
+        out = mems[1].attend_fast(0, *args)
+        assert rel_err(out, ref) < 2e-2
+
+
+# ------------------------------------------------------------------ fused Selector (Triton)
+@kernel_test
+@pytest.mark.parametrize("overrides", [{}, {"fusion": "geometric"}, {"alpha": 0.0},
+                                       {"use_prior": False, "nms_radius": 3}])
+def test_kernel_fused_selector_matches_torch(overrides):
+    from sfi_sglang import selector as S
+
+    cfg = SFIConfig(dense_layers=()).replace(**overrides)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    B, H, R, N = 3, 4, 4, 300
+    logits = torch.randn(B, H, R, N, generator=gen) * 3
+    logits[2, :, :, ::3] = -math.inf
+    logits[1, :, 1] = -math.inf                          # a fully masked row
+    norms = torch.rand(B, H, N, generator=gen) * 4 + 0.2
+    lo, hi = torch.tensor([4, 4, 0]), torch.tensor([290, 100, 4])
+    logits, norms, lo, hi = (x.to(DEV) for x in (logits, norms, lo, hi))
+    n_rows = torch.tensor([1, 2, 1], device=DEV)
+    score = S.select_scores(logits, norms, lo, hi, n_rows, cfg)
+    key = S.select_key_fused(logits, norms, lo, hi, n_rows, cfg)
+    cand = S.candidate_mask(lo, hi, N)[:, None, :].expand(B, H, N)
+    fin = torch.isfinite(score)
+    lowest = torch.finfo(torch.float32).min
+    assert torch.equal(torch.isfinite(key) & (key > lowest), fin)
+    assert (key[cand & ~fin] == lowest).all()
+    assert torch.isneginf(key[~cand]).all()
+    err = ((key[fin] - score[fin]).abs() / score[fin].abs().clamp_min(1)).max()
+    assert err < 1e-4
+    a = S.select(logits, norms, lo, hi, 32, n_rows, cfg, fused=False)
+    b = S.select(logits, norms, lo, hi, 32, n_rows, cfg, fused=True)
+    assert (a == b).float().mean() > 0.98
