@@ -26,7 +26,10 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
+from sfi_sglang.baselines import quest_positions, snapkv_select, streaming_window_start
+from sfi_sglang import radix
 from sfi_sglang.boundary import TriggerPolicy
+from sfi_sglang.kernels import store_key_norms
 from sfi_sglang.config import SFIConfig, SFIConfigError, server_config
 from sfi_sglang.selector import select
 
@@ -40,6 +43,8 @@ logger = logging.getLogger(__name__)
 ACTIVE: list["SFIAttnBackend"] = []
 # rid -> custom_params of requests this scheduler received (filled by sfi_sglang.hooks).
 REQUEST_PARAMS: dict[str, dict] = {}
+# custom_params key of a request's extra boundary token ids (set by sfi_sglang.router)
+EXTRA_IDS_KEY = "sfi_extra_boundary_ids"
 
 
 def request_options(custom_params) -> tuple[bool, dict]:
@@ -54,6 +59,16 @@ def request_options(custom_params) -> tuple[bool, dict]:
     enabled = opts.pop("enabled", True)
     if not isinstance(enabled, bool):
         raise SFIConfigError(f'custom_params["sfi"]["enabled"] must be true or false, got {enabled!r}')
+    # extra boundaries of this request (a spec, resolved to token ids on the tokenizer
+    # side by sfi_sglang.router into custom_params[EXTRA_IDS_KEY]); not a config field
+    extra = opts.pop("extra_boundaries", None)
+    if extra is not None:
+        from sfi_sglang.boundary import parse_boundary_spec
+
+        try:
+            parse_boundary_spec(extra)
+        except ValueError as err:
+            raise SFIConfigError(f'custom_params["sfi"]["extra_boundaries"]: {err}') from None
     return enabled, opts
 
 
@@ -86,10 +101,21 @@ class SlotState:
     # per layer: selected positions [H_kv, n_sel] (sorted), and where the window starts
     selected: dict[int, torch.Tensor] = field(default_factory=dict)
     win_start: int = 0
+    rid: Optional[str] = None
+    # bootstrap selections computed here vs imported from a shared prefix (sfi_sglang.radix)
+    bootstrap_computed: int = 0
+    bootstrap_reused: int = 0
+
+    @property
+    def refreshes(self) -> bool:
+        """Whether this request's method keeps a selection (made at prefill end / slow steps)."""
+        return self.cfg.method in ("sfi", "snapkv")
 
     def stats(self) -> dict:
         return {"enabled": self.enabled, "fast_steps": self.fast_steps,
                 "slow_steps": self.slow_steps, "bootstrap": self.bootstrap,
+                "bootstrap_computed": self.bootstrap_computed,
+                "bootstrap_reused": self.bootstrap_reused,
                 "slow_at": list(self.slow_at),
                 "budget": self.cfg.budget, "window": self.cfg.window, "sinks": self.cfg.sinks}
 
@@ -104,10 +130,14 @@ class SFIAttnBackend:
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.num_layers = model_runner.model_config.num_hidden_layers
-        self.sparse_layers = [i for i in range(self.num_layers) if i not in self.cfg.dense_layers]
         self.slots: dict[int, SlotState] = {}
         self.by_rid: dict[str, SlotState] = {}  # for meta_info, read by sfi_sglang.hooks
         self._cfg_cache: dict[str, tuple[bool, SFIConfig]] = {}
+        # ||k|| per layer, KV slot and KV head, written with K: a request reusing a cached
+        # prefix reuses its norms (the Selector's prior reads them)
+        k0 = self.token_to_kv_pool.get_key_buffer(0)
+        self.key_norms = torch.zeros(self.num_layers, k0.shape[0], k0.shape[1],
+                                     dtype=torch.float32, device=k0.device)
 
         from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
@@ -118,6 +148,7 @@ class SFIAttnBackend:
             tokenizer, self.cfg, max_slots=self.req_to_token_pool.req_to_token.shape[0],
             vocab_size=model_runner.model_config.vocab_size, device=self.device)
         self.plan: Optional[DecodePlan] = None
+        self.boundaries = self._boundary_summary(self.cfg.boundaries, 0)  # see install_boundaries
         ACTIVE.append(self)
         logger.info("SFI backend: %s, dense backend %s", self.cfg, type(dense_backend).__name__)
 
@@ -142,26 +173,33 @@ class SFIAttnBackend:
         request's SFI state; the bootstrap selection follows in forward_extend."""
         slots = forward_batch.req_pool_indices.tolist()
         rids = forward_batch.rids or [None] * len(slots)
-        for slot, rid in zip(slots, rids):
+        prefix_lens = forward_batch.extend_prefix_lens_cpu or [0] * len(slots)
+        seq_lens = forward_batch.seq_lens.tolist()
+        for slot, rid, prefix, n in zip(slots, rids, prefix_lens, seq_lens):
             enabled, cfg = self._slot_config(REQUEST_PARAMS.get(rid))
-            st = self.slots[slot] = SlotState(cfg=cfg, enabled=enabled)
+            st = self.slots[slot] = SlotState(cfg=cfg, enabled=enabled, rid=rid)
             if rid is not None:
                 self.by_rid[rid] = st
             self.policy.reset(torch.tensor([slot]), cfg)
+            # a shared prefix's memory, when there is one, replaces the bootstrap selection
+            radix.start_request(st, rid, int(prefix), int(n))
 
     def _plan_decode(self, forward_batch) -> "DecodePlan":
         slots = forward_batch.req_pool_indices
         states = [self.slots.get(s) for s in slots.tolist()]
-        have = torch.tensor([st is not None and st.enabled and bool(st.selected) for st in states],
-                            dtype=torch.bool)
+        # a request that needs a selection and has none (e.g. its prompt was all cached)
+        # makes one now, at a slow step
+        have = torch.tensor([st is None or not st.enabled or bool(st.selected) or not st.refreshes
+                             for st in states], dtype=torch.bool)
         slow = self.policy.step(forward_batch.input_ids, slots, force=~have.to(slots.device)).cpu()
+        self._mark_extra_boundaries(forward_batch, slow)
         rows = []
         for i, st in enumerate(states):
             if st is not None:
                 st.decode_steps += 1
             if st is None or not st.enabled:
                 rows.append("dense")
-            elif bool(slow[i]):
+            elif bool(slow[i]) and (st.cfg.method == "sfi" or not st.selected) and st.refreshes:
                 st.slow_steps += 1
                 st.slow_at.append(st.decode_steps)
                 rows.append("slow")
@@ -180,15 +218,17 @@ class SFIAttnBackend:
     def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
                        save_kv_cache=True):
         o = self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        self._store_key_norms(k, layer, forward_batch, save_kv_cache)
         mode = forward_batch.forward_mode
-        if layer.layer_id in self.sparse_layers and mode.is_extend() and not mode.is_mixed():
+        if mode.is_extend() and not mode.is_mixed():
             self._bootstrap(q, layer, forward_batch)
         return o
 
     def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
                        save_kv_cache=True):
         plan = self.plan
-        if plan is None or layer.layer_id not in self.sparse_layers or all(r == "dense" for r in plan.rows):
+        self._store_key_norms(k, layer, forward_batch, save_kv_cache)
+        if plan is None or all(r == "dense" for r in plan.rows):
             return self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
@@ -200,10 +240,11 @@ class SFIAttnBackend:
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         req_to_token = self.req_to_token_pool.req_to_token
         for i, kind in enumerate(plan.rows):
-            n, slot = plan.seq_lens[i], plan.slots[i]
+            n, slot, st = plan.seq_lens[i], plan.slots[i], plan.states[i]
+            if kind != "dense" and layer.layer_id in st.cfg.dense_layers:
+                kind = "dense"
             if kind == "fast":
-                st = plan.states[i]
-                pos = fast_positions(st, layer.layer_id, n)  # [H_kv, L]
+                pos = fast_positions(st, layer.layer_id, n, q[i], k_cache, req_to_token[slot])
                 o[i] = attend(q[i], k_cache, v_cache, req_to_token[slot], pos, layer.scaling)
             else:
                 pos = torch.arange(n).expand(layer.tp_k_head_num, n)
@@ -211,6 +252,11 @@ class SFIAttnBackend:
                 if kind == "slow":
                     self._select(plan.states[i], layer, q[i:i + 1], k_cache, req_to_token[slot], n)
         return o.reshape(o.shape[0], -1)
+
+    def _store_key_norms(self, k, layer, forward_batch, save_kv_cache):
+        if save_kv_cache and k is not None:
+            store_key_norms(k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim),
+                            forward_batch.out_cache_loc, self.key_norms[layer.layer_id])
 
     # ------------------------------------------------------------------ selection
     def _bootstrap(self, q, layer, forward_batch):
@@ -221,7 +267,9 @@ class SFIAttnBackend:
         lens = forward_batch.extend_seq_lens.tolist()
         for i, slot in enumerate(forward_batch.req_pool_indices.tolist()):
             st = self.slots.get(slot)
-            if st is None or not st.enabled:
+            if st is None or not st.enabled or not st.refreshes or layer.layer_id in st.cfg.dense_layers:
+                continue
+            if st.bootstrap_reused:  # started from a shared prefix's memory
                 continue
             rows = min(st.cfg.bootstrap_rows, lens[i])
             n = int(forward_batch.seq_lens[i])
@@ -246,10 +294,60 @@ class SFIAttnBackend:
         row_pos = torch.arange(n - r, n)
         causal = torch.arange(n)[None, :] > row_pos[:, None]  # [R, n]
         logits = logits.masked_fill(causal, float("-inf")).reshape(1, hkv, g * r, n)
-        norms = keys.norm(dim=-1).transpose(0, 1)[None]  # [1, H_kv, n]
+        if cfg.method == "snapkv":
+            st.selected[layer.layer_id] = snapkv_select(logits[0], lo, hi, cfg.budget)
+            return
+        norms = self.key_norms[layer.layer_id][tokens[:n].long()].transpose(0, 1)[None]  # [1, H_kv, n]
         pos = select(logits, norms, torch.tensor([lo]), torch.tensor([hi]), cfg.budget, r, cfg)[0]
         count = min(cfg.budget, hi - lo)
         st.selected[layer.layer_id] = pos[:, :count]
+
+    # ------------------------------------------------------------------ boundaries
+    def install_boundaries(self, is_boundary: torch.Tensor, is_content: torch.Tensor,
+                           spec: str, version: int) -> None:
+        """A new server-wide boundary table (from the tokenizer side, sfi_sglang.router),
+        copied in place into the policy's device tables, so their addresses stay valid;
+        the next decode step uses it. Ids past the given tables are neither."""
+        pol = self.policy
+        for src, dst in ((is_boundary, pol.is_boundary), (is_content, pol.is_content)):
+            n = min(dst.numel(), src.numel())
+            full = torch.zeros(dst.numel(), dtype=torch.bool)
+            full[:n] = src[:n].cpu()
+            dst.copy_(full.to(dst.device))
+        self.boundaries = self._boundary_summary(spec, version)
+
+    def _boundary_summary(self, spec: str, version: int) -> dict:
+        import time
+
+        return {"spec": spec, "version": version, "vocab_size": self.policy.vocab,
+                "num_boundary": int(self.policy.is_boundary.sum()),
+                "num_content": int(self.policy.is_content.sum()), "installed_at": time.time()}
+
+    def _mark_extra_boundaries(self, forward_batch, slow: torch.Tensor) -> None:
+        """Per-request boundaries on top of the server's table: the request's extra
+        boundary ids (custom_params[EXTRA_IDS_KEY]) and grammar-aware boundaries (a
+        grammar of sfi_sglang.grammar flags the token that ended a JSON field). Such an
+        input token makes the refresh pending, as a table boundary does in
+        TriggerPolicy.step (outside the cooldown, not at a slow step)."""
+        rids = forward_batch.rids or []
+        info = forward_batch.sampling_info
+        grammars = (getattr(info, "grammars", None) if info is not None else None) or []
+        extra = [(REQUEST_PARAMS.get(rid) or {}).get(EXTRA_IDS_KEY) for rid in rids]
+        if not any(extra) and not any(g is not None for g in grammars):
+            return  # the common case: no host work
+        ids = forward_batch.input_ids.tolist()
+        hit = []
+        for i, slot in enumerate(forward_batch.req_pool_indices.tolist()):
+            g = grammars[i] if i < len(grammars) else None
+            flagged = bool(getattr(g, "sfi_boundary", False))
+            if flagged:
+                g.sfi_boundary = False
+            if (flagged or (i < len(extra) and extra[i] and ids[i] in extra[i])) and not bool(slow[i]):
+                hit.append(slot)
+        if hit:
+            pol = self.policy
+            s = torch.tensor(hit, dtype=torch.int64, device=pol.pending.device)
+            pol.pending[s] |= pol.since[s] > pol.cooldown[s]
 
     # ------------------------------------------------------------------ SGLang hooks
     def __getattr__(self, name):
@@ -272,13 +370,23 @@ class DecodePlan:
     slots: list[int]
 
 
-def fast_positions(st: SlotState, layer_id: int, n: int) -> torch.Tensor:
+def fast_positions(st: SlotState, layer_id: int, n: int, q, k_cache, tokens) -> torch.Tensor:
     """Positions [H_kv, L] of a fast step at context length n: sinks, selected, window
-    (ascending and disjoint)."""
+    (ascending and disjoint). q [H_q, D] is this step's query (Quest uses it)."""
+    cfg = st.cfg
+    hkv = k_cache.shape[1]
+    sinks = torch.arange(min(cfg.sinks, n)).expand(hkv, -1)
+    if cfg.method == "streaming":
+        start = streaming_window_start(n, cfg.sinks, cfg.window, cfg.budget)
+        return torch.cat([sinks, torch.arange(start, n).expand(hkv, -1)], dim=1)
+    if cfg.method == "quest":
+        hi = max(cfg.sinks, n - cfg.window)
+        keys = k_cache[tokens[:hi].long()]
+        sel = quest_positions(q.reshape(hkv, -1, q.shape[-1]), keys, cfg.sinks, hi, cfg.budget,
+                              cfg.page_size)
+        return torch.cat([sinks, sel, torch.arange(min(hi, n), n).expand(hkv, -1)], dim=1)
     sel = st.selected[layer_id]
-    hkv = sel.shape[0]
-    sinks = torch.arange(min(st.cfg.sinks, n)).expand(hkv, -1)
-    window = torch.arange(min(max(st.win_start, st.cfg.sinks), n), n).expand(hkv, -1)
+    window = torch.arange(min(max(st.win_start, cfg.sinks), n), n).expand(hkv, -1)
     return torch.cat([sinks, sel, window], dim=1)
 
 

@@ -116,15 +116,25 @@ def generate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"serve": serve, "generate": generate}
+def evaluate(argv: list[str]) -> int:
+    if not argv or argv[0] != "quality":
+        print("usage: sfi-sglang eval quality [options]   (--help for options)", file=sys.stderr)
+        return 2
+    from sfi_sglang.eval import main as eval_main
+
+    return eval_main(argv[1:])
+
+
+COMMANDS = {"serve": serve, "generate": generate, "eval": evaluate}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: sfi-sglang {serve,generate} [options]\n\n"
+        print("usage: sfi-sglang {serve,generate,eval} [options]\n\n"
               "  serve     launch SGLang's HTTP server with SFI (any `sglang serve` option)\n"
-              "  generate  one completion on the command line\n\n"
+              "  generate  one completion on the command line\n"
+              "  eval      eval quality: SFI and baselines against dense\n\n"
               "`sfi-sglang COMMAND --help` lists a command's options.",
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -15,6 +15,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 
+METHODS = ("sfi", "streaming", "snapkv", "quest")
+
+
 class SFIConfigError(ValueError):
     """An invalid SFI option; the message names the option in CLI form."""
 
@@ -72,6 +75,13 @@ class SFIConfig:
     nms_strength: float = 1.0
     excl_temperature: float = 2.0
     excl_strength: float = 0.85
+    # "sfi", or a baseline run by the same backend at the same token budget (S + W + K):
+    # "streaming" (StreamingLLM: sinks + a sliding window of W + K), "snapkv" (select K once
+    # at the end of prefill from the observation rows, never refresh), "quest" (every step,
+    # per layer and KV head: the K/page_size pages with the highest query-aware upper bound
+    # from per-page min/max keys, plus sinks and window)
+    method: str = "sfi"
+    page_size: int = 16
     # ablation switches
     use_prior: bool = True
     use_nms: bool = True
@@ -124,6 +134,10 @@ class SFIConfig:
             bad("dense_layers", "a list of non-negative layer indices")
         if self.refresh not in ("boundary", "interval"):
             bad("refresh", "'boundary' or 'interval'")
+        if self.method not in METHODS:
+            bad("method", "one of " + ", ".join(METHODS))
+        if not is_int(self.page_size) or self.page_size < 1:
+            bad("page_size", "a positive integer")
         if self.fusion not in ("arithmetic", "geometric"):
             bad("fusion", "'arithmetic' or 'geometric'")
         if not isinstance(self.boundaries, str):

@@ -26,6 +26,25 @@ def install() -> None:
                           _build_sfi_info, HookType.REPLACE)
     HookRegistry.register(f"{TOKENIZER_MANAGER}.update_request_meta_info",
                           _update_meta_info, HookType.AROUND)
+    HookRegistry.register(f"{SCHEDULER}.get_internal_state", _add_sfi_state, HookType.AFTER)
+    HookRegistry.register(f"{TOKENIZER_MANAGER}.__init__", _add_stats_route, HookType.AFTER)
+    HookRegistry.register(f"{SCHEDULER}.init_request_dispatcher", _add_scheduler_dispatch,
+                          HookType.AFTER)
+    HookRegistry.register(f"{TOKENIZER_MANAGER}.init_request_dispatcher",
+                          _add_tokenizer_dispatch, HookType.AFTER)
+    HookRegistry.register(f"{TOKENIZER_MANAGER}.auto_create_handle_loop",
+                          _send_startup_boundaries, HookType.AFTER)
+    # Engine methods for run-time boundary updates: sfi_sglang.Engine returns SGLang's
+    # own Engine (no subclass to put methods on), so they are added to its class.
+    # Only where the Engine module is loaded already (the process that builds an Engine).
+    import sys
+
+    engine_module = sys.modules.get("sglang.srt.entrypoints.engine")
+    if engine_module is not None:
+        from sfi_sglang.router import tokenizer_side
+
+        engine_module.Engine.get_sfi_boundaries = tokenizer_side.engine_get_sfi_boundaries
+        engine_module.Engine.update_sfi_boundaries = tokenizer_side.engine_update_sfi_boundaries
     # SchedulerOutputStreamer only calls build_additional_customized_info when this
     # class flag is set (SGLang expects a subclass to set it; the scheduler builds the
     # streamer itself, so there is no way to hand it a subclass).
@@ -42,6 +61,65 @@ def _verify_sfi_params(result, self, *args, **kwargs):
     from sfi_sglang.config import server_config
 
     request_config(server_config(), self.custom_params)
+    _resolve_extra_boundaries(self.custom_params)
+    return result
+
+
+def _resolve_extra_boundaries(custom_params):
+    """custom_params["sfi"]["extra_boundaries"] (a boundary spec) -> token ids in
+    custom_params[EXTRA_IDS_KEY], on the tokenizer side (which owns the vocabulary
+    texts), so the scheduler only looks ids up."""
+    from sfi_sglang.backend import EXTRA_IDS_KEY
+    from sfi_sglang.config import SFIConfigError
+    from sfi_sglang.router import tokenizer_side
+
+    if not isinstance(custom_params, dict):
+        return
+    opts = custom_params.get(META_KEY)
+    spec = opts.get("extra_boundaries") if isinstance(opts, dict) else None
+    if spec is not None:
+        try:
+            custom_params[EXTRA_IDS_KEY] = tokenizer_side.extra_boundary_ids(spec)
+        except ValueError as err:
+            raise SFIConfigError(str(err)) from None
+    ids = custom_params.get(EXTRA_IDS_KEY)
+    if ids is not None and not (isinstance(ids, list) and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        raise SFIConfigError(f"custom_params[{EXTRA_IDS_KEY!r}] must be a list of token ids")
+
+
+def _add_scheduler_dispatch(result, self, *args, **kwargs):
+    """The scheduler's dispatcher entry for SFIBoundariesReqInput (the tokenizer side's
+    boundary table). SGLang's custom-message support is io_struct.hook_custom_types
+    (done in plugin.py) for the wire format; the scheduler builds its dispatcher from a
+    fixed list, so the entry is added right after it is built."""
+    from sglang.utils import TypeBasedDispatcher
+
+    from sfi_sglang.router import scheduler_side
+    from sfi_sglang.router.messages import SFIBoundariesReqInput
+
+    self._request_dispatcher += TypeBasedDispatcher(
+        [(SFIBoundariesReqInput, lambda req: scheduler_side.handle(self, req))])
+    return result
+
+
+def _add_tokenizer_dispatch(result, self, *args, **kwargs):
+    """The tokenizer manager's result-dispatcher entry for SFIBoundariesReqOutput, its
+    fan-out communicator and detector, and GET/POST /sfi/boundaries (same reason as
+    above: the result dispatcher is a fixed list built in init_request_dispatcher)."""
+    from sfi_sglang.router import tokenizer_side
+
+    tokenizer_side.init_tokenizer_manager(self)
+    return result
+
+
+def _send_startup_boundaries(result, self, *args, **kwargs):
+    """The server-wide boundary table goes to the schedulers once the tokenizer
+    manager's event loop exists, ahead of the first request on the same socket; SGLang
+    has no start-up hook after its schedulers are connected."""
+    from sfi_sglang.router import tokenizer_side
+
+    tokenizer_side.send_startup(self)
     return result
 
 
@@ -63,7 +141,20 @@ def _build_sfi_info(self, reqs):
     if not ACTIVE:
         return {}
     backend = ACTIVE[0]
-    return {META_KEY: [[backend.request_stats(r.rid, r.finished())] for r in reqs]}
+    return {META_KEY: [[_stats(backend, r)] for r in reqs]}
+
+
+def _stats(backend, req):
+    stats = backend.request_stats(req.rid, req.finished())
+    if stats is not None:  # which boundary table (sfi_sglang.router) the request ran with
+        stats["boundary_version"] = backend.boundaries["version"]
+    if stats is not None and req.finished():
+        from sfi_sglang.eval import pop_result  # teacher-forcing scores (sfi-sglang eval)
+
+        score = pop_result(req.rid)
+        if score is not None:
+            stats["eval"] = score
+    return stats
 
 
 def _update_meta_info(original, self, meta_info, state, customized_info, index, finish_reason):
@@ -77,3 +168,34 @@ def _update_meta_info(original, self, meta_info, state, customized_info, index, 
         if latest is not None:
             meta_info[META_KEY] = latest
     return original(self, meta_info, state, customized_info, index, finish_reason)
+
+
+def _add_sfi_state(result, self, *args, **kwargs):
+    """The scheduler's SFI sharing counters (sfi_sglang.radix.stats) join its internal
+    state, which SGLang serves at /server_info and Engine.get_server_info(); the internal
+    state is assembled from a fixed list of contributors with no extension point."""
+    from sfi_sglang import radix
+
+    result.internal_state[META_KEY] = radix.stats()
+    return result
+
+
+def _add_stats_route(result, self, *args, **kwargs):
+    """GET /sfi/stats: the schedulers' SFI counters. The HTTP app is a module-level FastAPI
+    object that builds its TokenizerManager itself (no hook to hand it routes), so the
+    route is added once that manager exists, in the process that serves HTTP."""
+    import sys
+
+    http = sys.modules.get("sglang.srt.entrypoints.http_server")
+    app = getattr(http, "app", None)
+    if app is None or any(getattr(r, "path", None) == "/sfi/stats" for r in app.routes):
+        return result
+    manager = self
+
+    async def sfi_stats():
+        states = await manager.get_internal_state()
+        per_rank = [s.get(META_KEY) for s in states]
+        return per_rank[0] if len(per_rank) == 1 else {"ranks": per_rank}
+
+    app.add_api_route("/sfi/stats", sfi_stats, methods=["GET"])
+    return result
