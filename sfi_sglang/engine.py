@@ -48,6 +48,8 @@ def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict
                 "drop it (SFI runs its own dense backend for slow steps) or disable SFI"
             )
         out["attention_backend"] = "sfi"
+        if not out.get("disable_radix_cache"):  # shared prefixes share SFI memories
+            out.setdefault("radix_cache_backend", "sfi")
         export_config(cfg)
     else:
         out.setdefault("attention_backend", dense_backend())

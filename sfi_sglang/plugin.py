@@ -17,7 +17,9 @@ def register() -> None:
     _registered = True
     _trace()
     _register_backend()
-    from sfi_sglang import hooks
+    from sfi_sglang import hooks, radix
+
+    radix.register()  # the `sfi` radix cache: shared prefixes share SFI memories
 
     hooks.install()
 
