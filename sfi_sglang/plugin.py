@@ -20,6 +20,11 @@ def register() -> None:
     from sfi_sglang import hooks, radix
 
     radix.register()  # the `sfi` radix cache: shared prefixes share SFI memories
+    from sfi_sglang import grammar
+    from sfi_sglang.router import messages
+
+    messages.register()  # boundary-table messages on SGLang's tokenizer <-> scheduler IPC
+    grammar.register()  # grammar backends sfi-xgrammar / sfi-llguidance
 
     hooks.install()
 

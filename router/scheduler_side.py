@@ -1,0 +1,36 @@
+"""Scheduler side of the boundary messages: install a table in this process's `sfi`
+backends and report what is installed. Runs in the scheduler's request dispatcher,
+between forward passes, so a decode step never waits for it (and never for the
+tokenizer side: until a table arrives the backend keeps the one it has)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from sfi_sglang.router.detector import decode_tables
+from sfi_sglang.router.messages import SFIBoundariesReqInput, SFIBoundariesReqOutput
+
+logger = logging.getLogger(__name__)
+
+
+def handle(scheduler, req: SFIBoundariesReqInput):
+    from sfi_sglang.backend import ACTIVE
+
+    out = SFIBoundariesReqOutput(rid=req.rid, pid=os.getpid(),
+                                 dp_rank=getattr(scheduler, "dp_rank", None) or 0,
+                                 tp_size=getattr(scheduler, "tp_size", 1) or 1, sfi=bool(ACTIVE))
+    try:
+        if req.spec is not None:
+            for backend in ACTIVE:
+                is_b, is_c = decode_tables(req, backend.policy.vocab)
+                backend.install_boundaries(is_b, is_c, spec=req.spec, version=req.version)
+            logger.info("SFI boundaries v%d installed: %r (%d boundary tokens)", req.version,
+                        req.spec, len(req.boundary_ids))
+    except Exception as err:  # report, never take the scheduler down
+        logger.exception("SFI boundary table rejected")
+        out.success, out.message = False, f"{type(err).__name__}: {err}"
+    if ACTIVE:
+        for key, value in ACTIVE[0].boundaries.items():
+            setattr(out, key, value)
+    return out if req.reply else None
