@@ -15,6 +15,7 @@ def main():
     ap.add_argument("--url", default="http://127.0.0.1:30000")
     args = ap.parse_args()
     client = OpenAI(base_url=args.url + "/v1", api_key="none")
+    before = requests.get(args.url + "/sfi/stats").json()
     messages = []
     for turn, text in enumerate(["Hi! What is the capital of France?",
                                  "Tell me two facts about that city.",
@@ -30,6 +31,12 @@ def main():
         "text": "One more: what is 2+2?", "sampling_params": {"temperature": 0, "max_new_tokens": 8}})
     r.raise_for_status()
     print("sfi:", r.json()["meta_info"].get("sfi"))
+    # Each turn's prompt extends the previous one: later turns start from the memory the
+    # radix cache kept for the earlier turn instead of a new bootstrap selection.
+    after = requests.get(args.url + "/sfi/stats").json()
+    print(f"bootstrap selections in this chat: "
+          f"{after['bootstrap_computed'] - before['bootstrap_computed']} computed, "
+          f"{after['bootstrap_reused'] - before['bootstrap_reused']} reused")
 
 
 if __name__ == "__main__":

@@ -61,6 +61,8 @@ def test_example_multi_turn_chat(server):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "turn 3" in out.stdout and "sfi:" in out.stdout
+    reused = int(out.stdout.split("computed, ")[1].split(" reused")[0])
+    assert reused >= 2  # turns 2 and 3 reuse the memory of the turn before
 
 
 def test_example_frontend_program(server):
