@@ -31,7 +31,10 @@ from typing import Iterable, Optional
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-_REPO = pathlib.Path(__file__).resolve().parents[1]
+# kernels/ ships as sfi_sglang/kernels when installed; in a source checkout it is a sibling.
+_KERNELS_DIR = next(d for d in (pathlib.Path(__file__).resolve().parent / "kernels",
+                                pathlib.Path(__file__).resolve().parents[1] / "kernels")
+                    if (d / "reference.py").is_file())
 
 
 def load_kernels():
@@ -47,8 +50,8 @@ def load_kernels():
     except ImportError:
         pass
     spec = importlib.util.spec_from_file_location(
-        "sfi_sglang.kernels", _REPO / "kernels" / "__init__.py",
-        submodule_search_locations=[str(_REPO / "kernels")])
+        "sfi_sglang.kernels", _KERNELS_DIR / "__init__.py",
+        submodule_search_locations=[str(_KERNELS_DIR)])
     mod = importlib.util.module_from_spec(spec)
     sys.modules["sfi_sglang.kernels"] = mod
     try:
@@ -292,7 +295,7 @@ def _reference():
     name = "_sfi_kernels_reference"
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, _REPO / "kernels" / "reference.py")
+    spec = importlib.util.spec_from_file_location(name, _KERNELS_DIR / "reference.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
