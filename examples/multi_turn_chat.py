@@ -8,17 +8,23 @@ import argparse
 
 import requests
 from openai import OpenAI
+from transformers import AutoTokenizer
+
+from sfi_sglang.model import default_model_path
+from sfi_sglang.texts import long_text
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", default="http://127.0.0.1:30000")
+    ap.add_argument("--context-tokens", type=int, default=800)
     args = ap.parse_args()
     client = OpenAI(base_url=args.url + "/v1", api_key="none")
     before = requests.get(args.url + "/sfi/stats").json()
     messages = []
-    for turn, text in enumerate(["Hi! What is the capital of France?",
-                                 "Tell me two facts about that city.",
+    essay = long_text(AutoTokenizer.from_pretrained(default_model_path()), args.context_tokens)
+    for turn, text in enumerate([f"Here is an essay:\n\n{essay}\n\nWhat is it about?",
+                                 "Name one idea from it.",
                                  "Thanks. Summarise our chat in one sentence."], start=1):
         messages.append({"role": "user", "content": text})
         reply = client.chat.completions.create(model="default", messages=messages, temperature=0,
