@@ -142,13 +142,12 @@ def run(args) -> dict:
     rows = []
     try:
         # (a) teacher-forced agreement and KL
-        jobs = [(n, src, ids, r, m) for n in contexts
-                for src, ids in texts(tok, n + args.steps, args.texts)
-                for r in retentions for m in methods
-                if r == args.ablation_retention or m in BASELINES]
-        bar = tqdm(total=len(jobs), desc="teacher-forced", unit="run")
+        samples = {n: texts(tok, n + args.steps, args.texts) for n in contexts}  # tokenized once
+        runs_per_text = sum(1 for r in retentions for m in methods
+                            if r == args.ablation_retention or m in BASELINES)
+        bar = tqdm(total=runs_per_text * args.texts * len(contexts), desc="teacher-forced", unit="run")
         for n in contexts:
-            for t, (src, ids) in enumerate(texts(tok, n + args.steps, args.texts)):
+            for t, (src, ids) in enumerate(samples[n]):
                 prompt, cont = ids[:n], ids[n:]
                 key = f"{n}-{t}"
                 common = {"temperature": 0, "max_new_tokens": len(cont), "ignore_eos": True}
