@@ -404,6 +404,56 @@ def correctness_memory_selector(memory_mod, selector_mod, cfg_mod):
     del st, sc
     if not SMOKE:
         torch.cuda.empty_cache()
+    ok &= correctness_topk(selector_mod)
+    return ok
+
+
+def stable_topk_ref(key, k):
+    """Documented rule of kernels/topk.py: k largest, ties to the lowest positions, -inf
+    dropped, ascending, -1 padded (stable descending sort; test keys have no +-0.0)."""
+    B, H, N = key.shape
+    kk = min(k, N)
+    srt = torch.sort(key.reshape(B * H, N), dim=-1, descending=True, stable=True)
+    val, idx = srt.values[:, :kk], srt.indices[:, :kk]
+    big = torch.iinfo(torch.int64).max
+    idx = torch.where(val > float("-inf"), idx, torch.full_like(idx, big)).sort(-1).values
+    idx = torch.where(idx == big, torch.full_like(idx, -1), idx)
+    if kk < k:
+        idx = F.pad(idx, (0, k - kk), value=-1)
+    return idx.reshape(B, H, k)
+
+
+def correctness_topk(selector_mod):
+    """Radix top-k (kernels/topk.py) vs the stable float reference and vs the old torch path
+    (torch.topk + sort), on random keys with ties, -inf and float32-lowest entries."""
+    log("== radix top-k correctness")
+    ok = True
+    lowest = torch.finfo(torch.float32).min
+    shapes = ((1, 8, 8192, 2048), (8, 8, 32768, 2048), (8, 8, 131072, 2048), (2, 8, 1500, 2048),
+              (3, 5, 5000, 333), (4, 8, 131072, 2048)) if not SMOKE else ((1, 2, 600, 48), (2, 2, 40, 48))
+    for i, (B, H, N, k) in enumerate(shapes):
+        torch.manual_seed(100 + i)
+        key = torch.randn(B, H, N, device=DEV) * 4 - 10
+        if i % 2 == 1:      # heavy ties: values on a coarse grid (never +-0.0)
+            key = torch.round(key * 2) / 2 + 0.125
+        key[..., :4] = float("-inf")
+        key[..., -256:] = float("-inf")
+        key[0, 0, 100:400] = lowest
+        if H > 1 and N >= 2000:          # a row with fewer finite keys than k
+            key[0, 1] = float("-inf")
+            key[0, 1, 50:80] = torch.randn(30, device=DEV)
+            key[0, 1, 90:2000] = lowest
+        for uh in ((True, False) if i == 0 else (None,)):
+            out = torch.full((B, H, k), -7, dtype=torch.int64, device=DEV)
+            out.copy_(K.topk_positions(key, k, use_hist=uh))
+            ref = stable_topk_ref(key, k)
+            ok &= check(f"topk radix vs stable ref B={B} H={H} N={N} k={k} ties={i % 2} hist={uh}",
+                        0.0 if torch.equal(out, ref) else 1.0, 0.5)
+        if selector_mod is not None:
+            old = selector_mod._top_k_from_key_torch(key, k)
+            agree = (old == out).float().mean().item()
+            ok &= check(f"topk radix vs torch.topk path B={B} H={H} N={N} k={k} ties={i % 2} "
+                        f"(1 - agreement)", 1.0 - agree, 1e-9)
     return ok
 
 
@@ -533,6 +583,32 @@ def run_config(N, B, selector_mod, cfg_mod, l2_bytes, sweep=False, memory_mod=No
             except Exception:
                 RESULTS["errors"].append(f"{name} N={N} B={B}: {traceback.format_exc()[-1500:]}")
                 log("  selector failed:", traceback.format_exc()[-600:])
+        # --- Selector breakdown: key-norm gather, the four fused launches (cumulative),
+        # top-k alone (radix Triton vs the old torch.topk + sort), on this layer's key
+        try:
+            lo0, hi0 = selector_mod.candidate_range(s0["seq_lens"], S, W)
+            kn0 = norms_pool[st["req_to_token"][s0["req_pool_indices"]].long()].permute(0, 2, 1)
+            lg0 = sc0.view(B, Hkv, G, N)
+            lam0 = torch.full((B,), sfi_cfg.lambda_max_single, device=DEV)
+            key0 = K.fused_topk_key(lg0, kn0, lo0, hi0, lam0, sfi_cfg)
+            a = K.topk_positions(key0, Kc)
+            b = selector_mod._top_k_from_key_torch(key0, Kc)
+            check(f"topk radix vs torch on the Selector key N={N} B={B}", 0.0 if torch.equal(a, b) else 1.0, 0.5)
+            r = timed("sel_norms_gather", cfg, [lambda: norms_pool[st["req_to_token"][s0["req_pool_indices"]].long()].permute(0, 2, 1)])
+            summ_extra["sel_gather_ms"] = r.get("ms")
+            for upto in (1, 2, 3, 4):
+                r = timed(f"sel_key_upto{upto}", cfg, [lambda u=upto: K.fused_topk_key(lg0, kn0, lo0, hi0, lam0, sfi_cfg, upto=u)])
+                summ_extra[f"sel_key_upto{upto}_ms"] = r.get("ms")
+            r = timed("topk_radix", cfg, [lambda: K.topk_positions(key0, Kc)])
+            summ_extra["topk_radix_ms"] = r.get("ms")
+            r = timed("topk_torch", cfg, [lambda: selector_mod._top_k_from_key_torch(key0, Kc)])
+            summ_extra["topk_torch_ms"] = r.get("ms")
+            r = timed("topk_radix_onehot", cfg, [lambda: K.topk_positions(key0, Kc, use_hist=False)])
+            summ_extra["topk_radix_onehot_ms"] = r.get("ms")
+            del key0, kn0
+        except Exception:
+            RESULTS["errors"].append(f"selector breakdown N={N} B={B}: {traceback.format_exc()[-1500:]}")
+            log("  breakdown failed:", traceback.format_exc()[-600:])
         if N == 32768 and B == 8 and not SMOKE:
             # batched over 4 layers (one call, B' = 4 * B): per-layer cost when the slow
             # step's selections of several layers run together
@@ -591,6 +667,45 @@ def run_config(N, B, selector_mod, cfg_mod, l2_bytes, sweep=False, memory_mod=No
         summ["slow_over_dense_triton"] = slow / summ["dense_ms"]
     RESULTS.setdefault("summary", []).append(summ)
     return summ
+
+
+def profile_selector(selector_mod, cfg_mod, out_dir):
+    """Selector inputs at 8K B=1 and 128K B=8: key-norm gather variants (advanced indexing as
+    in the backend vs index_select), evid_prior on strided vs contiguous norms, radix top-k
+    grid/block variants."""
+    Hkv, G, D, S, W, Kc = (DIMS[k] for k in ("Hkv", "G", "D", "S", "W", "Kc"))
+    sfi_cfg = cfg_mod.SFIConfig(sinks=S, window=W, budget=Kc)
+    for N, B in ((8192, 1), (131072, 8)):
+        cfg = {"N": N, "B": B}
+        log(f"== profile N={N} B={B}")
+        slots = B * N
+        pool = torch.rand(slots, Hkv, device=DEV) + 0.5
+        rtt = torch.arange(slots, device=DEV, dtype=torch.int32).view(B, N)
+        rpi = torch.arange(B, device=DEV)
+        logits = torch.randn(B, Hkv, G, N, device=DEV) * 3
+        lo, hi = selector_mod.candidate_range(torch.full((B,), N, device=DEV), S, W)
+        lam = torch.full((B,), sfi_cfg.lambda_max_single, device=DEV)
+        timed("gather_adv_index", cfg, [lambda: pool[rtt[rpi].long()].permute(0, 2, 1)])
+        timed("gather_index_select", cfg, [lambda: pool.index_select(0, rtt[rpi].reshape(-1)).view(B, N, Hkv).permute(0, 2, 1)])
+        timed("gather_index_select_contig", cfg, [lambda: pool.index_select(0, rtt[rpi].reshape(-1)).view(B, N, Hkv).permute(0, 2, 1).contiguous()])
+        kn_s = pool[rtt[rpi].long()].permute(0, 2, 1)
+        kn_c = kn_s.contiguous()
+        for nm, kn in (("strided", kn_s), ("contig", kn_c)):
+            for u in (1, 2, 4):
+                timed(f"sel_key_upto{u}_{nm}_norms", cfg, [lambda kn=kn, u=u: K.fused_topk_key(logits, kn, lo, hi, lam, sfi_cfg, upto=u)])
+        key = K.fused_topk_key(logits, kn_c, lo, hi, lam, sfi_cfg)
+        ref = selector_mod._top_k_from_key_torch(key, Kc)
+        for blk, nw in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (512, 4)):
+            o = K.topk_positions(key, Kc, block=blk, num_warps=nw)
+            check(f"topk variant block={blk} warps={nw} N={N} B={B}", 0.0 if torch.equal(o, ref) else 1.0, 0.5)
+            timed(f"topk_b{blk}_w{nw}", cfg, [lambda blk=blk, nw=nw: K.topk_positions(key, Kc, block=blk, num_warps=nw)])
+        timed("topk_torch", cfg, [lambda: selector_mod._top_k_from_key_torch(key, Kc)])
+        del pool, logits, kn_s, kn_c, key
+        torch.cuda.empty_cache()
+    with open(os.path.join(out_dir, "kernels_h200_profile.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+    for t in RESULTS["timings"]:
+        log(f"{t['op']:36s} N={t['N']:>6} B={t['B']} {t.get('ms', float('nan')) * 1e3:8.1f} us")
 
 
 def tune(l2_bytes):
@@ -700,7 +815,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--phase", choices=("full", "tune"), default="full")
+    ap.add_argument("--phase", choices=("full", "tune", "profile"), default="full")
     ap.add_argument("--sweep", action="store_true", help="full phase: also the old fast/dense sweep at 8K")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -726,6 +841,9 @@ def main():
         memory_mod = None
         RESULTS["errors"].append("memory import: " + traceback.format_exc()[-1000:])
         log("memory import failed")
+    if args.phase == "profile":
+        profile_selector(selector_mod, cfg_mod, args.out)
+        return
     hbm = hbm_copy() if not SMOKE else 1.0
     ok = True
     try:
@@ -810,6 +928,11 @@ def main():
         f = lambda k_, m=1e3: f"{s[k_] * m:9.1f}" if s.get(k_) is not None else f"{'-':>9}"
         log(f"{s['N']:>7} {s['B']:>2} {f('sdpa_ms')} {f('dense_ms')} {f('dense_scores_ms')} {f('selector_ms')} {f('selector_torch_ms')}"
             f" {f('pack_ms')} {f('fast_ms')} {f('mem_fast_ms')} {f('speedup_fast_vs_sdpa', 1)} {f('fast_GBps', 1)} {f('slow_over_sdpa', 1)}")
+    log(f"{'N':>7} {'B':>2} {'gather':>7} {'k1':>7} {'k1+2':>7} {'k1-3':>7} {'k1-4':>7} {'topkR':>7} {'topkT':>7} {'topk1h':>7} {'selF':>7}")
+    for s in RESULTS.get("summary", []):
+        f = lambda k_: f"{s[k_] * 1e3:7.1f}" if s.get(k_) is not None else f"{'-':>7}"
+        log(f"{s['N']:>7} {s['B']:>2} {f('sel_gather_ms')} {f('sel_key_upto1_ms')} {f('sel_key_upto2_ms')} {f('sel_key_upto3_ms')}"
+            f" {f('sel_key_upto4_ms')} {f('topk_radix_ms')} {f('topk_torch_ms')} {f('topk_radix_onehot_ms')} {f('selector_ms')}")
     log(f"wall {time.time() - t0:.0f}s")
 
 

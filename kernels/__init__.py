@@ -21,6 +21,7 @@ if HAS_TRITON:
     from .pack import pack
     from .selector import fused_topk_key
     from .slow_decode import dense_decode, dense_decode_with_scores
+    from .topk import topk_positions
 else:  # pragma: no cover
     def fast_decode(*args, **kwargs):
         kwargs = {k: v for k, v in kwargs.items() if k in ("out",)}
@@ -38,9 +39,10 @@ else:  # pragma: no cover
 
     dense_decode = None
     fused_topk_key = None
+    topk_positions = None
 
 __all__ = [
     "fast_decode", "dense_decode_with_scores", "dense_decode", "pack", "store_key_norms",
     "ref_fast_decode", "ref_dense_decode_with_scores", "ref_pack", "ref_store_key_norms",
-    "HAS_TRITON", "fused_topk_key",
+    "HAS_TRITON", "fused_topk_key", "topk_positions",
 ]

@@ -305,11 +305,12 @@ def _num_splits(BH, N, block_n, device):
     return 1 << (ns.bit_length() - 1)
 
 
-def fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg, block_n=None, workspace=None):
+def fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg, block_n=None, workspace=None, upto=4):
     """Top-k key [B, H, N] float32 (see module doc) from logits [B, H, R, N] (any float
     dtype, last dim contiguous), key_norms [B, H, N] (any strides), lo/hi [B] int,
     lam_max [B] float32 (per-row clamp of l*). Same as selector.select_scores + the key of
-    selector.top_k_positions, in float32. No host sync."""
+    selector.top_k_positions, in float32. No host sync. `upto` < 4 stops after that many
+    Triton launches (profiling only: the result is then not the key)."""
     B, H, R, N = logits.shape
     dev = logits.device
     key = torch.empty((B, H, N), dtype=torch.float32, device=dev)
@@ -336,6 +337,8 @@ def fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg, block_n=None, worksp
     _row_stats_kernel[(B * H, NS)](
         logits, lo, hi, stat_m, stat_l, logits.stride(0), logits.stride(1), logits.stride(2),
         H, R, N, CHUNK, NS=NS, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, num_warps=nw)
+    if upto < 2:
+        return key
     _evid_prior_kernel[(B * H, NS)](
         logits, key_norms, lo, hi, stat_m, stat_l, lf, z, part_m, part_l,
         logits.stride(0), logits.stride(1), logits.stride(2),
@@ -344,10 +347,14 @@ def fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg, block_n=None, worksp
         float(cfg.w_pos), float(cfg.pos_beta), float(cfg.pos_power), float(cfg.pos_tail),
         GEOMETRIC=geometric_ev, USE_PRIOR=bool(cfg.use_prior), NS=NS, BLOCK_S=BLOCK_S,
         BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, num_warps=nw)
+    if upto < 3:
+        return key
     geo = bool(cfg.use_prior) and cfg.fusion == "geometric"
     _fuse_kernel[(B * H, NS)](
         lf, z, sc, part_m, part_l, lam_max, H, N, CHUNK, USE_PRIOR=bool(cfg.use_prior),
         GEOMETRIC_FUSION=geo, NS=NS, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, num_warps=nw)
+    if upto < 4:
+        return key
     use_nms = bool(cfg.use_nms) and cfg.nms_radius > 0 and cfg.nms_strength != 0
     use_excl = bool(cfg.use_exclusivity) and H > 2
     BN4 = 128

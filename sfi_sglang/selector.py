@@ -205,7 +205,34 @@ def top_k_positions(score: torch.Tensor, cand_mask: torch.Tensor, k: int) -> tor
 
 def _top_k_from_key(key: torch.Tensor, k: int) -> torch.Tensor:
     """Top-k of a ranking key [B, H, N] float32 (-inf = never chosen) -> sorted positions
-    [B, H, k] int64, -1 padded at the end. No host sync."""
+    [B, H, k] int64, -1 padded at the end. No host sync.
+
+    On CUDA: the Triton radix select (kernels/topk.py, no sort, ~9 launches over all SMs);
+    elsewhere the torch pipeline below. Same positions; ties at the k-th value go to the
+    lowest positions (torch.topk's CUDA rule), -0.0 ranks below +0.0."""
+    if key.is_cuda and key.dim() == 3:
+        fn = _topk_kernel()
+        if fn is not None:
+            return fn(key, k)
+    return _top_k_from_key_torch(key, k)
+
+
+_TOPK = []
+
+
+def _topk_kernel():
+    if not _TOPK:
+        try:
+            from sfi_sglang.memory import load_kernels
+
+            _TOPK.append(getattr(load_kernels(), "topk_positions", None))
+        except Exception:  # pragma: no cover - no triton
+            _TOPK.append(None)
+    return _TOPK[0]
+
+
+def _top_k_from_key_torch(key: torch.Tensor, k: int) -> torch.Tensor:
+    """torch.topk + sort version of _top_k_from_key (CPU path, and the reference)."""
     n = key.shape[-1]
     kk = min(k, n)
     val, idx = key.topk(kk, dim=-1) if kk > 0 else (key[..., :0], key[..., :0].long())

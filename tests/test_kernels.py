@@ -349,3 +349,53 @@ def test_fused_reduce_counters_reset():
         out = K.fast_decode(*args, num_splits=4, block_n=16, fused_reduce=True, counters=counters)
         assert int(counters.abs().sum()) == 0
         assert rel_err(out, ref) < TOL[torch.float32]
+
+
+# ------------------------------------------------------------------ radix top-k (kernels/topk.py)
+def _topk_ref(key, k):
+    """k largest per row, ties to the lowest positions, -inf dropped, ascending, -1 padded
+    (float64 keys, Python sort: the documented rule of kernels/topk.py)."""
+    B, H, N = key.shape
+    out = torch.full((B, H, k), -1, dtype=torch.int64)
+    kd = key.double().cpu()
+    for b in range(B):
+        for h in range(H):
+            v = kd[b, h].tolist()
+            top = sorted(range(N), key=lambda j: (-v[j], j))[:k]
+            sel = sorted(j for j in top if v[j] != -math.inf)
+            out[b, h, :len(sel)] = torch.tensor(sel, dtype=torch.int64)
+    return out
+
+
+@pytest.mark.parametrize("B,H,N,k,ties,block", [
+    (2, 3, 300, 17, False, 64), (1, 2, 2500, 64, True, 128), (2, 2, 40, 40, False, 64),
+    (1, 1, 30, 64, True, 64), (2, 1, 700, 100, True, 64),
+])
+def test_topk_positions_exact(B, H, N, k, ties, block):
+    g = torch.Generator().manual_seed(N + k)
+    key = torch.randn(B, H, N, generator=g) * 5 - 3
+    if ties:                                    # coarse grid: many equal keys (never +-0.0)
+        key = torch.round(key) + 0.25
+    key[..., :3] = -math.inf
+    key[0, 0, 10:25] = torch.finfo(torch.float32).min   # candidates whose score is -inf
+    if B > 1 and N > 100:                       # fewer finite keys than k
+        key[1, 0] = -math.inf
+        key[1, 0, 5:9] = torch.randn(4, generator=g)
+        key[1, 0, 60:70] = torch.finfo(torch.float32).min
+    key = key.to(DEV)
+    ref = _topk_ref(key, k)
+    out = K.topk_positions(key, k, block=block)
+    assert out.dtype == torch.int64 and out.shape == (B, H, k)
+    assert torch.equal(out.cpu(), ref)
+    if not ties:                                # the Selector's torch path: same positions
+        from sfi_sglang.selector import _top_k_from_key_torch
+        assert torch.equal(_top_k_from_key_torch(key, k).cpu(), ref)
+
+
+def test_topk_positions_onehot_fallback_and_signed_zero():
+    key = torch.tensor([[[1.0, -0.0, 0.0, -math.inf, 2.0, 0.0, -1.0]]]).to(DEV)
+    for uh in (True, False):
+        # -0.0 ranks below +0.0 (torch's radix order); equal keys: lowest positions first
+        assert K.topk_positions(key, 3, block=64, use_hist=uh).cpu().tolist() == [[[0, 2, 4]]]
+        assert K.topk_positions(key, 4, block=64, use_hist=uh).cpu().tolist() == [[[0, 2, 4, 5]]]
+        assert K.topk_positions(key, 9, block=64, use_hist=uh).cpu().tolist() == [[[0, 1, 2, 4, 5, 6, -1, -1, -1]]]
