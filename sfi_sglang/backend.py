@@ -24,13 +24,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import torch
-from torch.nn.functional import scaled_dot_product_attention
 
 from sfi_sglang.baselines import quest_positions, snapkv_select, streaming_window_start
-from sfi_sglang import radix
 from sfi_sglang.boundary import TriggerPolicy
 from sfi_sglang.kernels import store_key_norms
 from sfi_sglang.config import SFIConfig, SFIConfigError, server_config
+from sfi_sglang.memory import SparseMemory
 from sfi_sglang.selector import select
 
 if TYPE_CHECKING:
@@ -81,6 +80,9 @@ def request_config(server: SFIConfig, custom_params) -> tuple[bool, SFIConfig]:
         raise SFIConfigError(
             f'custom_params["sfi"]["budget"] ({cfg.budget}) exceeds the server\'s '
             f"--sfi-budget ({server.budget})")
+    if cfg.sinks != server.sinks:
+        raise SFIConfigError(f'custom_params["sfi"]["sinks"] ({cfg.sinks}) cannot differ from the '
+                             f"server's --sfi-sinks ({server.sinks})")
     if overrides.get("boundaries", server.boundaries) != server.boundaries:
         raise SFIConfigError('custom_params["sfi"]["boundaries"] cannot differ from the server\'s '
                              "--sfi-boundaries")
@@ -88,20 +90,18 @@ def request_config(server: SFIConfig, custom_params) -> tuple[bool, SFIConfig]:
 
 
 @dataclass
-class SlotState:
-    """SFI state of one request slot (CPU reference path)."""
+class Request:
+    """Host-side record of the request in a slot: its options and what the output reports.
+    Its sparse memory (selections, step counters) is in SFIAttnBackend.memory, indexed by
+    the same slot."""
 
     cfg: SFIConfig
     enabled: bool
-    fast_steps: int = 0
-    slow_steps: int = 0
+    rid: Optional[str] = None
     bootstrap: bool = False
+    has_selection: bool = False  # the memory holds a selection (bootstrap, import, slow step)
     decode_steps: int = 0
     slow_at: list[int] = field(default_factory=list)  # decode steps (1-based) that were slow
-    # per layer: selected positions [H_kv, n_sel] (sorted), and where the window starts
-    selected: dict[int, torch.Tensor] = field(default_factory=dict)
-    win_start: int = 0
-    rid: Optional[str] = None
     # bootstrap selections computed here vs imported from a shared prefix (sfi_sglang.radix)
     bootstrap_computed: int = 0
     bootstrap_reused: int = 0
@@ -111,9 +111,14 @@ class SlotState:
         """Whether this request's method keeps a selection (made at prefill end / slow steps)."""
         return self.cfg.method in ("sfi", "snapkv")
 
-    def stats(self) -> dict:
-        return {"enabled": self.enabled, "fast_steps": self.fast_steps,
-                "slow_steps": self.slow_steps, "bootstrap": self.bootstrap,
+    @property
+    def baseline(self) -> bool:
+        """Methods whose fast steps choose positions per step on the host (eval baselines)."""
+        return self.cfg.method in ("streaming", "quest")
+
+    def stats(self, fast_steps: int, slow_steps: int) -> dict:
+        return {"enabled": self.enabled, "fast_steps": fast_steps,
+                "slow_steps": slow_steps, "bootstrap": self.bootstrap,
                 "bootstrap_computed": self.bootstrap_computed,
                 "bootstrap_reused": self.bootstrap_reused,
                 "slow_at": list(self.slow_at),
@@ -130,35 +135,108 @@ class SFIAttnBackend:
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.num_layers = model_runner.model_config.num_hidden_layers
-        self.slots: dict[int, SlotState] = {}
-        self.by_rid: dict[str, SlotState] = {}  # for meta_info, read by sfi_sglang.hooks
+        max_slots = self.req_to_token_pool.req_to_token.shape[0]
+        k0 = self.token_to_kv_pool.get_key_buffer(0)
+        # The per-request sparse memory, in tensors indexed by request-pool slot; every layer
+        # has a row (a request may make any layer sparse or dense).
+        self.memory = SparseMemory(self.num_layers, range(self.num_layers), max_slots,
+                                   k0.shape[1], k0.shape[2], self.cfg, k0.device, k0.dtype)
+        # A slot's memory starts empty when SGLang allocates the slot to a request.
+        if getattr(self.req_to_token_pool, "_on_alloc_rows", "absent") is None:
+            self.req_to_token_pool.register_on_alloc_rows(self._on_alloc_rows)
+        self.requests: dict[int, Request] = {}  # slot -> its request
+        self.by_rid: dict[str, tuple[int, Request]] = {}  # for meta_info, read by sfi_sglang.hooks
         self._cfg_cache: dict[str, tuple[bool, SFIConfig]] = {}
         # ||k|| per layer, KV slot and KV head, written with K: a request reusing a cached
         # prefix reuses its norms (the Selector's prior reads them)
-        k0 = self.token_to_kv_pool.get_key_buffer(0)
         self.key_norms = torch.zeros(self.num_layers, k0.shape[0], k0.shape[1],
                                      dtype=torch.float32, device=k0.device)
 
+        self.policy = self._make_policy(model_runner, max_slots)
+        self.plan: Optional[DecodePlan] = None
+        self.boundaries = self._boundary_summary(self.cfg.boundaries, 0)  # see install_boundaries
+        ACTIVE.append(self)
+        logger.info("SFI backend: %s, dense backend %s, sparse memory %.1f MB (%s path)", self.cfg,
+                    type(dense_backend).__name__, self.memory.bytes() / 2**20,
+                    "kernel" if self.memory.packed else "torch reference")
+
+    # ------------------------------------------------------------------ SGLang services
+    # The three places that need SGLang beyond the pools; sfi_sglang.bench's harness
+    # (a GPU machine without SGLang) overrides them.
+    def _make_policy(self, model_runner, max_slots: int) -> TriggerPolicy:
         from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
         args = model_runner.server_args
         tokenizer = get_tokenizer(args.tokenizer_path or args.model_path,
                                   trust_remote_code=args.trust_remote_code)
-        self.policy = TriggerPolicy.from_tokenizer(
-            tokenizer, self.cfg, max_slots=self.req_to_token_pool.req_to_token.shape[0],
-            vocab_size=model_runner.model_config.vocab_size, device=self.device)
-        self.plan: Optional[DecodePlan] = None
-        self.boundaries = self._boundary_summary(self.cfg.boundaries, 0)  # see install_boundaries
-        ACTIVE.append(self)
-        logger.info("SFI backend: %s, dense backend %s", self.cfg, type(dense_backend).__name__)
+        return TriggerPolicy.from_tokenizer(tokenizer, self.cfg, max_slots=max_slots,
+                                            vocab_size=model_runner.model_config.vocab_size,
+                                            device=self.device)
 
-    # ------------------------------------------------------------------ planning
+    def _save_kv(self, layer, forward_batch, k, v) -> None:
+        from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+        self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+
+    def _share_prefix(self, slot: int, req: Request, rid, prefix_len: int, seq_len: int) -> bool:
+        """Import a shared prefix's memory (sfi_sglang.radix) instead of a bootstrap."""
+        from sfi_sglang import radix
+
+        return radix.start_request(self, slot, req, rid, prefix_len, seq_len)
+
+    # ------------------------------------------------------------------ requests
+    def _on_alloc_rows(self, slots) -> None:
+        self.memory.reset(slots)
+        for slot in slots:
+            self.requests.pop(slot, None)
+
     def _slot_config(self, custom_params) -> tuple[bool, SFIConfig]:
         key = json.dumps((custom_params or {}).get("sfi"), sort_keys=True) if isinstance(custom_params, dict) else "null"
         if key not in self._cfg_cache:
             self._cfg_cache[key] = request_config(self.cfg, custom_params)
         return self._cfg_cache[key]
 
+    def _start_requests(self, forward_batch):
+        """A request's first extend makes its record (a prompt's next chunk keeps it); its
+        bootstrap selection follows in forward_extend unless a shared prefix's memory is
+        imported here."""
+        slots = forward_batch.req_pool_indices.tolist()
+        rids = forward_batch.rids or [None] * len(slots)
+        prefix_lens = forward_batch.extend_prefix_lens_cpu or [0] * len(slots)
+        seq_lens = forward_batch.seq_lens.tolist()
+        for slot, rid, prefix, n in zip(slots, rids, prefix_lens, seq_lens):
+            old = self.requests.get(slot)
+            if old is not None and old.rid == rid and rid is not None:
+                continue
+            enabled, cfg = self._slot_config(REQUEST_PARAMS.get(rid))
+            req = self.requests[slot] = Request(cfg=cfg, enabled=enabled, rid=rid)
+            if old is not None:  # the slot changed hands without an allocation we saw
+                self.memory.reset([slot])
+            if rid is not None:
+                self.by_rid[rid] = (slot, req)
+            self.policy.reset(torch.tensor([slot]), cfg)
+            if req.enabled and req.refreshes:
+                self._share_prefix(slot, req, rid, int(prefix), int(n))
+
+    def export_selection(self, slot: int):
+        """(positions [L, H_kv, K], count, hi) of the slot's selection, or None (sfi_sglang.radix)."""
+        req = self.requests.get(slot)
+        if req is None or not req.enabled or not req.has_selection:
+            return None
+        return self.memory.export(slot)
+
+    def import_selection(self, slot: int, positions, count: int, hi: int) -> None:
+        """Start the slot's request from a shared prefix's selection (sfi_sglang.radix)."""
+        req = self.requests[slot]
+        pool = self.token_to_kv_pool
+        self.memory.import_(slot, positions, count, hi,
+                            lambda lid: (pool.get_key_buffer(lid), pool.get_value_buffer(lid)),
+                            self.req_to_token_pool.req_to_token,
+                            [l for l in range(self.num_layers) if l not in req.cfg.dense_layers])
+        req.has_selection = req.bootstrap = True
+        req.bootstrap_reused += 1
+
+    # ------------------------------------------------------------------ planning
     def init_forward_metadata(self, forward_batch: ForwardBatch):
         self.dense.init_forward_metadata(forward_batch)
         mode = forward_batch.forward_mode
@@ -168,46 +246,33 @@ class SFIAttnBackend:
         elif mode.is_extend() and not mode.is_mixed():
             self._start_requests(forward_batch)
 
-    def _start_requests(self, forward_batch):
-        """Each extend (a new request, or the next chunk of its prompt) restarts the
-        request's SFI state; the bootstrap selection follows in forward_extend."""
-        slots = forward_batch.req_pool_indices.tolist()
-        rids = forward_batch.rids or [None] * len(slots)
-        prefix_lens = forward_batch.extend_prefix_lens_cpu or [0] * len(slots)
-        seq_lens = forward_batch.seq_lens.tolist()
-        for slot, rid, prefix, n in zip(slots, rids, prefix_lens, seq_lens):
-            enabled, cfg = self._slot_config(REQUEST_PARAMS.get(rid))
-            st = self.slots[slot] = SlotState(cfg=cfg, enabled=enabled, rid=rid)
-            if rid is not None:
-                self.by_rid[rid] = st
-            self.policy.reset(torch.tensor([slot]), cfg)
-            # a shared prefix's memory, when there is one, replaces the bootstrap selection
-            radix.start_request(st, rid, int(prefix), int(n))
-
     def _plan_decode(self, forward_batch) -> "DecodePlan":
         slots = forward_batch.req_pool_indices
-        states = [self.slots.get(s) for s in slots.tolist()]
+        reqs = [self.requests.get(s) for s in slots.tolist()]
         # a request that needs a selection and has none (e.g. its prompt was all cached)
         # makes one now, at a slow step
-        have = torch.tensor([st is None or not st.enabled or bool(st.selected) or not st.refreshes
-                             for st in states], dtype=torch.bool)
+        have = torch.tensor([r is None or not r.enabled or r.has_selection or not r.refreshes
+                             for r in reqs], dtype=torch.bool)
         slow = self.policy.step(forward_batch.input_ids, slots, force=~have.to(slots.device)).cpu()
         self._mark_extra_boundaries(forward_batch, slow)
-        rows = []
-        for i, st in enumerate(states):
-            if st is not None:
-                st.decode_steps += 1
-            if st is None or not st.enabled:
-                rows.append("dense")
-            elif bool(slow[i]) and (st.cfg.method == "sfi" or not st.selected) and st.refreshes:
-                st.slow_steps += 1
-                st.slow_at.append(st.decode_steps)
-                rows.append("slow")
+        kinds = []
+        for i, r in enumerate(reqs):
+            if r is not None:
+                r.decode_steps += 1
+            if r is None or not r.enabled:
+                kinds.append("dense")
+            elif r.refreshes and bool(slow[i]) and (r.cfg.method == "sfi" or not r.has_selection):
+                r.slow_at.append(r.decode_steps)
+                r.has_selection = True  # after this step (the forward does no host bookkeeping)
+                kinds.append("slow")
             else:
-                st.fast_steps += 1
-                rows.append("fast")
-        return DecodePlan(rows=rows, states=states, seq_lens=forward_batch.seq_lens.tolist(),
-                          slots=slots.tolist())
+                kinds.append("baseline" if r.baseline else "fast")
+        plan = DecodePlan(kinds, reqs, slots, forward_batch.seq_lens, forward_batch.seq_lens.tolist(),
+                          slots.tolist(), self.req_to_token_pool.req_to_token.shape[1])
+        dev = slots.device
+        rows = lambda kind: slots[torch.tensor([k in kind for k in kinds], device=dev)]
+        self.memory.count_steps(rows(("fast", "baseline")), rows(("slow",)))
+        return plan
 
     # ------------------------------------------------------------------ forward
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -228,29 +293,31 @@ class SFIAttnBackend:
                        save_kv_cache=True):
         plan = self.plan
         self._store_key_norms(k, layer, forward_batch, save_kv_cache)
-        if plan is None or all(r == "dense" for r in plan.rows):
+        lr = plan.layer_rows(layer.layer_id) if plan is not None else None
+        if lr is None or lr.all_dense:
             return self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
-        from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-
         if save_kv_cache and k is not None and v is not None:
-            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+            self._save_kv(layer, forward_batch, k, v)
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         o = q.new_empty((q.shape[0], layer.tp_q_head_num, layer.v_head_dim))
-        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        req_to_token = self.req_to_token_pool.req_to_token
-        for i, kind in enumerate(plan.rows):
-            n, slot, st = plan.seq_lens[i], plan.slots[i], plan.states[i]
-            if kind != "dense" and layer.layer_id in st.cfg.dense_layers:
-                kind = "dense"
-            if kind == "fast":
-                pos = fast_positions(st, layer.layer_id, n, q[i], k_cache, req_to_token[slot])
-                o[i] = attend(q[i], k_cache, v_cache, req_to_token[slot], pos, layer.scaling)
-            else:
-                pos = torch.arange(n).expand(layer.tp_k_head_num, n)
-                o[i] = attend(q[i], k_cache, v_cache, req_to_token[slot], pos, layer.scaling)
-                if kind == "slow":
-                    self._select(plan.states[i], layer, q[i:i + 1], k_cache, req_to_token[slot], n)
+        lid, mem, scale = layer.layer_id, self.memory, layer.scaling
+        kc = self.token_to_kv_pool.get_key_buffer(lid)
+        vc = self.token_to_kv_pool.get_value_buffer(lid)
+        r2t = self.req_to_token_pool.req_to_token
+        rpi, seq_lens = plan.slots, plan.seq_lens
+        if lr.fast is not None:
+            o[lr.fast] = mem.attend_fast(lid, q[lr.fast], kc, vc, r2t, rpi[lr.fast], seq_lens[lr.fast], scale)
+        for g in lr.slow:
+            sl = seq_lens[g.rows]
+            o[g.rows], scores = mem.attend_slow(lid, q[g.rows], kc, vc, r2t, g.slots, sl, scale,
+                                                max_len=g.n_max)
+            self._select_decode(lid, g, scores, sl)
+        if lr.dense is not None:
+            o[lr.dense] = mem.attend_dense(q[lr.dense], kc, vc, r2t, rpi[lr.dense], seq_lens[lr.dense],
+                                           scale, max_len=lr.dense_n_max)
+        for i in lr.baseline:
+            pos = baseline_positions(plan.reqs[i].cfg, plan.seq_lens_cpu[i], q[i], kc, r2t[plan.slots_cpu[i]])
+            o[i] = mem._attend_positions_ref(q[i:i + 1], kc, vc, r2t, rpi[i:i + 1], [pos], scale, None)[0]
         return o.reshape(o.shape[0], -1)
 
     def _store_key_norms(self, k, layer, forward_batch, save_kv_cache):
@@ -260,47 +327,71 @@ class SFIAttnBackend:
 
     # ------------------------------------------------------------------ selection
     def _bootstrap(self, q, layer, forward_batch):
+        """End of a prompt (chunk): select from the logits of its last query rows."""
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        lid = layer.layer_id
+        k_cache = self.token_to_kv_pool.get_key_buffer(lid)
         req_to_token = self.req_to_token_pool.req_to_token
         starts = forward_batch.extend_start_loc.tolist()
         lens = forward_batch.extend_seq_lens.tolist()
         for i, slot in enumerate(forward_batch.req_pool_indices.tolist()):
-            st = self.slots.get(slot)
-            if st is None or not st.enabled or not st.refreshes or layer.layer_id in st.cfg.dense_layers:
+            req = self.requests.get(slot)
+            if req is None or not req.enabled or not req.refreshes or lid in req.cfg.dense_layers:
                 continue
-            if st.bootstrap_reused:  # started from a shared prefix's memory
+            if req.bootstrap_reused:  # started from a shared prefix's memory
                 continue
-            rows = min(st.cfg.bootstrap_rows, lens[i])
+            cfg = req.cfg
+            rows = min(cfg.bootstrap_rows, lens[i])
             n = int(forward_batch.seq_lens[i])
             qi = q[starts[i] + lens[i] - rows: starts[i] + lens[i]]
-            self._select(st, layer, qi, k_cache, req_to_token[slot], n)
-            st.bootstrap = True
+            lo, hi = cfg.sinks, max(cfg.sinks, n - cfg.window)
+            if hi > lo:
+                tokens = req_to_token[slot, :n].long()
+                keys = k_cache[tokens].float()  # [n, H_kv, D]
+                hkv = keys.shape[1]
+                qg = qi.float().reshape(rows, hkv, -1, qi.shape[-1])
+                logits = torch.einsum("rhgd,nhd->hgrn", qg, keys) * layer.scaling  # [H_kv, G, R, n]
+                row_pos = torch.arange(n - rows, n, device=keys.device)
+                causal = torch.arange(n, device=keys.device)[None, :] > row_pos[:, None]  # [R, n]
+                logits = logits.masked_fill(causal, float("-inf")).reshape(1, hkv, -1, n)
+                norms = self.key_norms[lid][tokens].transpose(0, 1)[None]  # [1, H_kv, n]
+                bounds = torch.tensor([[lo], [hi]], device=keys.device)
+                pos = self._positions(cfg, logits, norms, bounds[0], bounds[1], rows)
+            else:
+                pos = torch.empty(1, k_cache.shape[1], 0, dtype=torch.int64)
+            self.memory.store(lid, [slot], pos, min(cfg.budget, hi - lo), hi, k_cache,
+                              self.token_to_kv_pool.get_value_buffer(lid), req_to_token,
+                              seq_lens=torch.tensor([n]))
+            req.bootstrap = req.has_selection = True
 
-    def _select(self, st: SlotState, layer, q_rows, k_cache, tokens, n: int):
-        """Run the Selector on the logits of q_rows [R, H_q, D], the last R positions of a
-        context of length n, and store the selection for this layer."""
-        cfg = st.cfg
-        lo, hi = cfg.sinks, max(cfg.sinks, n - cfg.window)
-        st.win_start = hi
-        if hi <= lo:
-            st.selected[layer.layer_id] = torch.empty(layer.tp_k_head_num, 0, dtype=torch.int64)
-            return
-        keys = k_cache[tokens[:n].long()].float()  # [n, H_kv, D]
-        hkv, r = keys.shape[1], q_rows.shape[0]
-        g = q_rows.shape[1] // hkv
-        qg = q_rows.float().reshape(r, hkv, g, -1)
-        logits = torch.einsum("rhgd,nhd->hgrn", qg, keys) * layer.scaling  # [H_kv, G, R, n]
-        row_pos = torch.arange(n - r, n)
-        causal = torch.arange(n)[None, :] > row_pos[:, None]  # [R, n]
-        logits = logits.masked_fill(causal, float("-inf")).reshape(1, hkv, g * r, n)
+    def _select_decode(self, lid, g: "SlowGroup", scores, seq_lens):
+        """Slow-step rows of one config: the Selector on their dense logits scores
+        [b, H_q, N], stored as the layer's new selection. No host sync, no host-made
+        tensor: CUDA-graph capturable (sfi_sglang.bench captures slow steps)."""
+        b, hq, n = scores.shape
+        hkv = self.memory.num_kv_heads
+        logits = scores.view(b, hkv, hq // hkv, n)
+        tokens = self.req_to_token_pool.req_to_token[g.slots, :n].long()
+        norms = self.key_norms[lid][tokens].permute(0, 2, 1)  # [b, H_kv, N]
+        cfg = g.cfg
+        hi = (seq_lens - cfg.window).clamp_min(cfg.sinks)
+        lo = torch.full_like(hi, cfg.sinks)
+        pos = self._positions(cfg, logits, norms, lo, hi, 1)
+        pool = self.token_to_kv_pool
+        self.memory.store(lid, g.slots, pos, (hi - lo).clamp_max(cfg.budget), hi, pool.get_key_buffer(lid),
+                          pool.get_value_buffer(lid), self.req_to_token_pool.req_to_token,
+                          seq_lens=seq_lens)
+
+    def _positions(self, cfg, logits, norms, lo, hi, n_rows) -> torch.Tensor:
+        """Selected positions [b, H_kv, <= K] (sorted, -1 padded) from logits [b, H_kv, R', N];
+        lo, hi [b] int64 tensors on the logits' device."""
         if cfg.method == "snapkv":
-            st.selected[layer.layer_id] = snapkv_select(logits[0], lo, hi, cfg.budget)
-            return
-        norms = self.key_norms[layer.layer_id][tokens[:n].long()].transpose(0, 1)[None]  # [1, H_kv, n]
-        pos = select(logits, norms, torch.tensor([lo]), torch.tensor([hi]), cfg.budget, r, cfg)[0]
-        count = min(cfg.budget, hi - lo)
-        st.selected[layer.layer_id] = pos[:, :count]
+            out = torch.full((logits.shape[0], logits.shape[1], cfg.budget), -1, dtype=torch.int64)
+            for i, (l, h) in enumerate(zip(lo.tolist(), hi.tolist())):
+                sel = snapkv_select(logits[i].cpu(), l, h, cfg.budget)
+                out[i, :, :sel.shape[1]] = sel
+            return out.to(logits.device)
+        return select(logits, norms, lo, hi, cfg.budget, n_rows, cfg)
 
     # ------------------------------------------------------------------ boundaries
     def install_boundaries(self, is_boundary: torch.Tensor, is_content: torch.Tensor,
@@ -358,49 +449,92 @@ class SFIAttnBackend:
     def request_stats(self, rid: str, finished: bool) -> Optional[dict]:
         if finished:
             REQUEST_PARAMS.pop(rid, None)
-        st = self.by_rid.pop(rid, None) if finished else self.by_rid.get(rid)
-        return st.stats() if st is not None else None
+        entry = self.by_rid.pop(rid, None) if finished else self.by_rid.get(rid)
+        if entry is None:
+            return None
+        slot, req = entry
+        fast, slow = self.memory.counts[slot].tolist()
+        return req.stats(fast, slow)
+
+
+# Slow steps' score buffers are sized in steps of this many positions (past a row's context
+# the scores are -inf), so a captured slow step serves the next SCORE_BUCKET contexts.
+SCORE_BUCKET = 512
+
+
+@dataclass
+class SlowGroup:
+    """Slow-step rows of one config (made once per forward, so layers do no host work)."""
+
+    cfg: SFIConfig
+    rows: torch.Tensor  # batch rows
+    slots: torch.Tensor  # their request-pool slots
+    slots_cpu: list[int]
+    n_max: int  # the score buffer's length: max context, rounded up to SCORE_BUCKET
+
+
+@dataclass
+class LayerRows:
+    """Batch rows of one layer by what they compute (index tensors on the batch's device)."""
+
+    fast: Optional[torch.Tensor]
+    slow: list[SlowGroup]  # one group per config
+    dense: Optional[torch.Tensor]
+    dense_n_max: int
+    baseline: list[int]
+    all_dense: bool
 
 
 @dataclass
 class DecodePlan:
-    rows: list[str]  # per batch row: "fast" | "slow" | "dense"
-    states: list[Optional[SlotState]]
-    seq_lens: list[int]
-    slots: list[int]
+    kinds: list[str]  # per batch row: "fast" | "slow" | "dense" | "baseline"
+    reqs: list[Optional[Request]]
+    slots: torch.Tensor  # req_pool_indices
+    seq_lens: torch.Tensor
+    seq_lens_cpu: list[int]
+    slots_cpu: list[int]
+    max_context: int  # req_to_token's width: no score buffer is longer
+    _layers: dict = field(default_factory=dict)
+
+    def layer_rows(self, layer_id: int) -> LayerRows:
+        """Rows of this layer: a row whose config keeps the layer dense is dense there.
+        Computed once per pattern of dense rows per forward."""
+        kinds = tuple("dense" if k != "dense" and layer_id in self.reqs[i].cfg.dense_layers else k
+                      for i, k in enumerate(self.kinds))
+        if kinds not in self._layers:
+            dev = self.slots.device
+            idx = lambda kind: [i for i, k in enumerate(kinds) if k == kind]
+            as_rows = lambda rows: torch.tensor(rows, dtype=torch.int64, device=dev) if rows else None
+            groups: dict = {}
+            for i in idx("slow"):
+                groups.setdefault(self.reqs[i].cfg, []).append(i)
+            slow = []
+            for cfg, rows in groups.items():
+                n_max = max(self.seq_lens_cpu[i] for i in rows)
+                r = as_rows(rows)
+                slow.append(SlowGroup(cfg=cfg, rows=r, slots=self.slots[r],
+                                      slots_cpu=[self.slots_cpu[i] for i in rows],
+                                      n_max=min(-(-n_max // SCORE_BUCKET) * SCORE_BUCKET, self.max_context)))
+            dense = idx("dense")
+            self._layers[kinds] = LayerRows(
+                fast=as_rows(idx("fast")), slow=slow, dense=as_rows(dense),
+                dense_n_max=max([self.seq_lens_cpu[i] for i in dense], default=0),
+                baseline=idx("baseline"), all_dense=all(k == "dense" for k in kinds))
+        return self._layers[kinds]
 
 
-def fast_positions(st: SlotState, layer_id: int, n: int, q, k_cache, tokens) -> torch.Tensor:
-    """Positions [H_kv, L] of a fast step at context length n: sinks, selected, window
-    (ascending and disjoint). q [H_q, D] is this step's query (Quest uses it)."""
-    cfg = st.cfg
+def baseline_positions(cfg: SFIConfig, n: int, q, k_cache, tokens) -> torch.Tensor:
+    """Positions [H_kv, L] of a StreamingLLM or Quest fast step at context length n
+    (sinks, then the method's middle part, then the window; ascending and disjoint).
+    q [H_q, D] is this step's query (Quest uses it)."""
     hkv = k_cache.shape[1]
-    sinks = torch.arange(min(cfg.sinks, n)).expand(hkv, -1)
+    dev = tokens.device
+    sinks = torch.arange(min(cfg.sinks, n), device=dev).expand(hkv, -1)
     if cfg.method == "streaming":
         start = streaming_window_start(n, cfg.sinks, cfg.window, cfg.budget)
-        return torch.cat([sinks, torch.arange(start, n).expand(hkv, -1)], dim=1)
-    if cfg.method == "quest":
-        hi = max(cfg.sinks, n - cfg.window)
-        keys = k_cache[tokens[:hi].long()]
-        sel = quest_positions(q.reshape(hkv, -1, q.shape[-1]), keys, cfg.sinks, hi, cfg.budget,
-                              cfg.page_size)
-        return torch.cat([sinks, sel, torch.arange(min(hi, n), n).expand(hkv, -1)], dim=1)
-    sel = st.selected[layer_id]
-    window = torch.arange(min(max(st.win_start, cfg.sinks), n), n).expand(hkv, -1)
-    return torch.cat([sinks, sel, window], dim=1)
-
-
-def attend(q, k_cache, v_cache, tokens, pos, scaling):
-    """One decode row: q [H_q, D] over positions pos [H_kv, L] of one request (KV slots
-    via its req_to_token row). Same SDPA call and layout as SGLang's torch_native decode,
-    so a full position list gives bit-identical results."""
-    hkv = pos.shape[0]
-    slots = tokens[pos.T].long()  # [L, H_kv]
-    heads = torch.arange(hkv)[None, :]
-    key = k_cache[slots, heads].movedim(0, 1)  # [H_kv, L, D]
-    value = v_cache[slots, heads].movedim(0, 1)
-    if key.dtype != q.dtype:
-        key, value = key.to(q.dtype), value.to(q.dtype)
-    out = scaled_dot_product_attention(q[None, :, None, :], key[None], value[None],
-                                       scale=scaling, enable_gqa=q.shape[0] != hkv)
-    return out[0, :, 0, :]
+        return torch.cat([sinks, torch.arange(start, n, device=dev).expand(hkv, -1)], dim=1)
+    hi = max(cfg.sinks, n - cfg.window)
+    keys = k_cache[tokens[:hi].long()]
+    sel = quest_positions(q.reshape(hkv, -1, q.shape[-1]), keys, cfg.sinks, hi, cfg.budget,
+                          cfg.page_size).to(dev)
+    return torch.cat([sinks, sel, torch.arange(min(hi, n), n, device=dev).expand(hkv, -1)], dim=1)

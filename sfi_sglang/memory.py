@@ -74,6 +74,7 @@ class SparseMemory:
                                     packed path's window then starts at n_sinks when it is
                                     < S, so short contexts grow into the sinks correctly
       fast_ws   [max_slots] int64   the packed path's window start, set by `store`
+      counts    [max_slots, 2] int64  fast and slow decode steps of the slot's request
     packed=True adds
       packed_k, packed_v  list over sparse layers of [max_slots, H_kv, S+K, D] (`dtype`)
       packed_len [max_slots] int32  = n_sinks + sel_count
@@ -104,6 +105,7 @@ class SparseMemory:
         self.n_sinks = torch.zeros(M, dtype=torch.int32, device=dev)
         # window start of the packed path, precomputed at store (one gather per fast step)
         self.fast_ws = torch.zeros(M, dtype=torch.int64, device=dev)
+        self.counts = torch.zeros(M, 2, dtype=torch.int64, device=dev)
         self.packed_k: list[torch.Tensor] = []
         self.packed_v: list[torch.Tensor] = []
         self.packed_len = None
@@ -119,7 +121,8 @@ class SparseMemory:
     # ------------------------------------------------------------------ bookkeeping
     def bytes(self) -> int:
         """Device bytes held by this memory."""
-        ts = [self.sel_pos, self.sel_count, self.win_start, self.n_sinks, self.fast_ws, *self.packed_k,
+        ts = [self.sel_pos, self.sel_count, self.win_start, self.n_sinks, self.fast_ws, self.counts,
+              *self.packed_k,
               *self.packed_v]
         if self.packed_len is not None:
             ts.append(self.packed_len)
@@ -138,13 +141,167 @@ class SparseMemory:
         self.win_start[s] = 0
         self.n_sinks[s] = 0
         self.fast_ws[s] = 0
+        self.counts[s] = 0
         if self.packed_len is not None:
             self.packed_len[s] = 0
+
+    def count_steps(self, fast_slots: torch.Tensor, slow_slots: torch.Tensor) -> None:
+        """One decode step of these requests: fast ones and slow ones (no host sync)."""
+        for col, s in ((0, fast_slots), (1, slow_slots)):
+            if s.numel():
+                self.counts[self._slots(s), col] += 1
+
+    def export(self, slot: int):
+        """(positions [L_sparse, H_kv, K] int32, count, win_start) of a slot's selection:
+        a copy, for sfi_sglang.radix (host sync)."""
+        return self.sel_pos[:, slot].clone(), int(self.sel_count[slot]), int(self.win_start[slot])
+
+    def import_(self, slot: int, positions: torch.Tensor, count: int, win_start: int,
+                kv_caches, req_to_token: torch.Tensor, layer_ids: Iterable[int]) -> None:
+        """Start `slot` from an exported selection (of a context whose first win_start
+        tokens are this slot's): `store` for each of layer_ids, packing from
+        kv_caches(layer_id) -> (k_cache, v_cache)."""
+        s = torch.tensor([slot])
+        for lid in layer_ids:
+            li = self.layer_index[lid]
+            k_cache, v_cache = kv_caches(lid)
+            self.store(lid, s, positions[li][None], count, win_start, k_cache, v_cache, req_to_token)
 
     def selected(self, layer_id: int, slot: int) -> torch.Tensor:
         """Selected positions [H_kv, sel_count] int64 of one slot (host sync; for tests/stats)."""
         c = int(self.sel_count[slot])
         return self.sel_pos[self.layer_index[layer_id], slot, :, :c].long()
+
+    # ------------------------------------------------------------------ slow step: record
+    def store(self, layer_id: int, slots, positions: torch.Tensor, sel_count, win_start,
+              k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+              seq_lens: Optional[torch.Tensor] = None) -> None:
+        """Record a selection of one layer for rows `slots` [b].
+
+        positions [b, H_kv, K'] int (K' <= K; sorted ascending, -1 padded; entries at or
+        past sel_count are ignored), sel_count [b], win_start [b] (= hi of the selection),
+        seq_lens [b] optional: context length at the selection, only needed when it can be
+        shorter than the sinks (then only min(S, n) sinks exist yet; default: n >= S).
+        When packed, copies sinks + selected K/V into the packed buffers (kernels.pack).
+        No host sync.
+        """
+        li = self.layer_index[layer_id]
+        s = self._slots(slots)
+        b = s.shape[0]
+        if b == 0:
+            return
+        dev = self.device
+        positions = positions.to(dev)
+        kp = positions.shape[-1]
+        assert kp <= self.budget, f"{kp} selected positions > budget {self.budget}"
+        cnt = torch.as_tensor(sel_count, device=dev).to(torch.int64).reshape(-1).expand(b)
+        valid = self._ar_k[:kp][None, None, :] < cnt[:, None, None]
+        pos = torch.where(valid, positions.to(torch.int32), -1)
+        if kp < self.budget:
+            pos = torch.nn.functional.pad(pos, (0, self.budget - kp), value=-1)
+        self.sel_pos[li, s] = pos
+        self.sel_count[s] = cnt.to(torch.int32)
+        self.win_start[s] = torch.as_tensor(win_start, device=dev).to(torch.int64).reshape(-1).expand(b)
+        if seq_lens is None:
+            ns = torch.full((b,), self.sinks, dtype=torch.int32, device=dev)
+        else:
+            ns = torch.clamp(torch.as_tensor(seq_lens, device=dev).to(torch.int64).reshape(-1),
+                             max=self.sinks).to(torch.int32).expand(b)
+        self.n_sinks[s] = ns
+        self.fast_ws[s] = self._fast_window_start(s)
+        if not self.packed:
+            return
+        # packed rows: sinks [0, n_sinks) then the selected positions (valid prefix, -1 after)
+        H = self.num_kv_heads
+        sink = torch.where(self._ar_s[None, :] < ns[:, None], self._ar_s[None, :].to(torch.int32), -1)
+        rows = torch.cat([sink[:, None, :].expand(b, H, self.sinks), pos[..., :kp]], dim=-1)
+        # when n_sinks < S the selection is empty, so -1s stay a suffix
+        self._k.pack(k_cache, v_cache, req_to_token, s, rows.contiguous(),
+                     self.packed_k[li], self.packed_v[li])
+        self.packed_len[s] = ns + cnt.to(torch.int32)
+
+    # ------------------------------------------------------------------ fast step
+    def _fast_window_start(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
+        """Window start of the packed path per batch row: max(win_start, S), or n_sinks
+        when fewer than S sinks were packed (the window then also covers the later sinks)."""
+        ws = self.win_start[req_pool_indices].clamp_min(self.sinks)
+        ns = self.n_sinks[req_pool_indices].to(torch.int64)
+        return torch.where(ns < self.sinks, ns, ws)
+
+    def attend_fast(self, layer_id: int, q: torch.Tensor, k_cache, v_cache, req_to_token,
+                    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
+                    out: Optional[torch.Tensor] = None, **kernel_kw) -> torch.Tensor:
+        """Fast-step attention q [b, H_q, D] -> [b, H_q, D] over sinks + selected + window.
+        Packed: one kernels.fast_decode launch (no host sync); else the torch reference."""
+        li = self.layer_index[layer_id]
+        rpi = req_pool_indices.to(self.device).long()
+        if self.packed:
+            ws = self.fast_ws[rpi]
+            return self._k.fast_decode(q, k_cache, v_cache, req_to_token, rpi, seq_lens, ws,
+                                       self.packed_k[li], self.packed_v[li], self.packed_len,
+                                       sm_scale, out=out, **kernel_kw)
+        return self._attend_fast_ref(li, q, k_cache, v_cache, req_to_token, rpi, seq_lens,
+                                     sm_scale, out)
+
+    def fast_positions(self, layer_id: int, slot: int, t: int) -> torch.Tensor:
+        """Positions [H_kv, L] int64 of a fast step of `slot` at context length t (sinks,
+        selected, window; ascending, disjoint). Host sync; the reference path."""
+        li = self.layer_index[layer_id]
+        return self._positions(li, slot, t, int(self.sel_count[slot]), int(self.win_start[slot]))
+
+    def _positions(self, li, slot, t, count, ws):
+        H, S = self.num_kv_heads, self.sinks
+        sel = self.sel_pos[li, slot, :, :count].long()
+        sinks = torch.arange(min(S, t), device=self.device).expand(H, -1)
+        window = torch.arange(min(max(ws, S), t), t, device=self.device).expand(H, -1)
+        return torch.cat([sinks, sel, window], dim=1)
+
+    def _attend_fast_ref(self, li, q, k_cache, v_cache, req_to_token, rpi, seq_lens, sm_scale, out):
+        slots, ts = rpi.tolist(), seq_lens.tolist()
+        counts, wss = self.sel_count[rpi].tolist(), self.win_start[rpi].tolist()
+        pos = [self._positions(li, slots[i], int(ts[i]), int(counts[i]), int(wss[i]))
+               for i in range(q.shape[0])]
+        return self._attend_positions_ref(q, k_cache, v_cache, req_to_token, rpi, pos, sm_scale, out)
+
+    def _attend_positions_ref(self, q, k_cache, v_cache, req_to_token, rpi, positions, sm_scale, out):
+        """q [B, H_q, D] of rows rpi over positions[i] [H_kv, L_i] (torch reference): one
+        SDPA call per group of rows of equal length, in the layout of SGLang's torch_native
+        decode, so a full position list gives its results."""
+        B, Hq, D = q.shape
+        H = self.num_kv_heads
+        if out is None:
+            out = q.new_empty((B, Hq, v_cache.shape[-1]))
+        groups: dict[int, list[int]] = {}
+        for i, p in enumerate(positions):
+            groups.setdefault(p.shape[1], []).append(i)
+        heads = torch.arange(H, device=self.device)[None, None, :]
+        for L, idx in groups.items():
+            rows = torch.tensor(idx, device=self.device)
+            pos = torch.stack([positions[i] for i in idx])                           # [g, H, L]
+            tok = req_to_token[rpi[rows]].long()                                     # [g, N]
+            kv_slot = torch.gather(tok, 1, pos.reshape(len(idx), -1)).view(len(idx), H, L)
+            kv_slot = kv_slot.transpose(1, 2)                                        # [g, L, H]
+            key = k_cache[kv_slot, heads].permute(0, 2, 1, 3)                        # [g, H, L, D]
+            value = v_cache[kv_slot, heads].permute(0, 2, 1, 3)
+            if key.dtype != q.dtype:
+                key, value = key.to(q.dtype), value.to(q.dtype)
+            o = scaled_dot_product_attention(q[rows][:, :, None, :], key, value, scale=sm_scale,
+                                             enable_gqa=Hq != H)
+            out[rows] = o[:, :, 0, :].to(out.dtype)
+        return out
+
+    def attend_dense(self, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                     sm_scale, out=None, max_len=None):
+        """Dense decode attention of rows that are dense at this step (SFI disabled, or a
+        dense layer of theirs) while others are not. Packed: kernels.dense_decode; else the
+        torch_native layout (bit-identical to SGLang's dense decode on the CPU)."""
+        rpi = req_pool_indices.to(self.device).long()
+        if self.packed:
+            return self._k.dense_decode(q, k_cache, v_cache, req_to_token, rpi, seq_lens, sm_scale,
+                                        out=out, max_len=max_len)
+        pos = [torch.arange(int(n), device=self.device).expand(self.num_kv_heads, -1)
+               for n in seq_lens.tolist()]
+        return self._attend_positions_ref(q, k_cache, v_cache, req_to_token, rpi, pos, sm_scale, out)
 
     # ------------------------------------------------------------------ slow step: record
     def store(self, layer_id: int, slots, positions: torch.Tensor, sel_count, win_start,
@@ -269,7 +426,8 @@ class SparseMemory:
         """Dense attention + raw logits: (out [b, H_q, D] q.dtype, scores [b, H_q, N_max]
         float32, -inf at positions >= seq_len). N_max = scores_out.shape[2], else max_len,
         else max(seq_lens) (host sync). Packed: kernels.dense_decode_with_scores; else the
-        reference in float32 (kernels.reference)."""
+        logits from the reference in float32 (kernels.reference) and the output from
+        `attend_dense` (so a slow step's output is exactly the dense backend's)."""
         rpi = req_pool_indices.to(self.device).long()
         if self.packed:
             return self._k.dense_decode_with_scores(q, k_cache, v_cache, req_to_token, rpi,
@@ -284,9 +442,9 @@ class SparseMemory:
                                      device=q.device)
         if q.shape[0] == 0:
             return out, scores_out
-        return ref.ref_dense_decode_with_scores(q, k_cache, v_cache, req_to_token, rpi, seq_lens,
-                                                sm_scale, scores_out=scores_out, out=out,
-                                                compute_dtype=torch.float32)
+        ref.ref_dense_decode_with_scores(q, k_cache, v_cache, req_to_token, rpi, seq_lens, sm_scale,
+                                         scores_out=scores_out, compute_dtype=torch.float32)
+        return self.attend_dense(q, k_cache, v_cache, req_to_token, rpi, seq_lens, sm_scale, out), scores_out
 
 
 def _reference():

@@ -3,7 +3,7 @@
 A selection made on a context covers the candidate positions [sinks, hi); positions are
 positions, so it is valid for every request whose first `hi` tokens are the same.
 SFIRadixCache is SGLang's RadixCache plus one attribute per tree node, `sfi_memory`, a
-NodeMemory (per-layer selected positions + hi):
+NodeMemory (a copy of the request's selection from the backend's SparseMemory + hi):
 
 * publish: when a request is checkpointed (a prefill chunk, the end of a prefill, its
   finish: SGLang's `checkpoint`), its current selection goes to the node of its path that
@@ -21,9 +21,10 @@ Lock counting is SGLang's own: a request locks its matched path from admission t
 release, so the node it imports from (its path's node or an ancestor) stays in the tree
 meanwhile, and a split copies the lock count to the upper part.
 
-The backend talks to this module through three functions only: `export_memory`,
-`import_memory` (the only code that reads or writes SlotState fields) and
-`start_request`, so a change of the backend's memory representation stays local here.
+This module talks to the backend through `start_request` (a request's first extend) and
+the backend's `export_selection` / `import_selection` (copies out of / into its
+SparseMemory slot, packed K/V included), so the memory's representation stays the
+backend's.
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResul
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 if TYPE_CHECKING:
-    from sfi_sglang.backend import SlotState
+    from sfi_sglang.backend import Request, SFIAttnBackend
     from sfi_sglang.config import SFIConfig
 
 logger = logging.getLogger(__name__)
 
 NAME = "sfi"  # --radix-cache-backend sfi (set by sfi_sglang.engine.launch_kwargs)
-DEFAULT_CAPACITY = 256  # node memories per scheduler (each one ~ layers x H_kv x K int64)
+DEFAULT_CAPACITY = 256  # node memories per scheduler (each one ~ layers x H_kv x K int32)
 
 # Radix caches of this process (one per scheduler), for the backend and the stats hook.
 CACHES: list["SFIRadixCache"] = []
@@ -59,7 +60,8 @@ class NodeMemory:
 
     hi: int  # candidates were [sinks, hi); the window starts at hi
     kind: tuple  # what made it (compat_key of the publisher's config)
-    selected: dict[int, torch.Tensor]  # layer id -> [H_kv, n_sel] sorted positions < hi
+    positions: torch.Tensor  # [layers, H_kv, K] int32 sorted positions < hi, -1 padded
+    count: int  # valid entries per layer and head
 
     def fits(self, cfg: SFIConfig, prefix_len: int, seq_len: int) -> bool:
         """Usable by a request with this config, matched prefix and context length: same
@@ -74,39 +76,32 @@ def compat_key(cfg: SFIConfig) -> tuple:
     return (cfg.sinks, cfg.budget, tuple(sorted(cfg.dense_layers)), getattr(cfg, "method", "sfi"))
 
 
-def export_memory(st: SlotState, num_layers: int) -> Optional[NodeMemory]:
-    """The request's current selection, if it has one for every sparse layer."""
-    layers = [l for l in range(num_layers) if l not in st.cfg.dense_layers]
-    if not st.enabled or st.win_start <= st.cfg.sinks or any(l not in st.selected for l in layers):
+def export_memory(backend: SFIAttnBackend, slot: int) -> Optional[NodeMemory]:
+    """The slot's current selection (a copy), if it has one past the sinks."""
+    req = backend.requests.get(slot)
+    sel = backend.export_selection(slot)
+    if sel is None:
         return None
-    return NodeMemory(hi=st.win_start, kind=compat_key(st.cfg),
-                      selected={l: st.selected[l] for l in layers})
+    positions, count, hi = sel
+    if hi <= req.cfg.sinks:
+        return None
+    return NodeMemory(hi=hi, kind=compat_key(req.cfg), positions=positions, count=count)
 
 
-def import_memory(st: SlotState, mem: NodeMemory) -> None:
-    """Start a request from a shared memory instead of a bootstrap selection. The tensors
-    are shared, not copied: a selection is replaced, never written in place."""
-    st.selected = dict(mem.selected)
-    st.win_start = mem.hi
-    st.bootstrap = True
-    st.bootstrap_reused += 1
-
-
-def start_request(st: SlotState, rid: Optional[str], prefix_len: int, seq_len: int) -> bool:
-    """Called by the backend when a request's extend starts: import a shared memory when its
+def start_request(backend: SFIAttnBackend, slot: int, req: Request, rid: Optional[str],
+                  prefix_len: int, seq_len: int) -> bool:
+    """Called by the backend at a request's first extend: import a shared memory when its
     matched prefix has one (True), else count a bootstrap selection to compute (False)."""
-    if not st.enabled or not getattr(st, "refreshes", True):  # methods without a selection
-        return False
     mem = None
     for cache in CACHES:
-        mem = cache.find_memory(rid, st.cfg, prefix_len, seq_len)
+        mem = cache.find_memory(rid, req.cfg, prefix_len, seq_len)
         if mem is not None:
             break
     if mem is None:
-        st.bootstrap_computed += 1
+        req.bootstrap_computed += 1
         BOOTSTRAPS["computed"] += 1
         return False
-    import_memory(st, mem)
+    backend.import_selection(slot, mem.positions, mem.count, mem.hi)
     BOOTSTRAPS["reused"] += 1
     return True
 
@@ -225,10 +220,10 @@ class SFIRadixCache(RadixCache):
 
         backend = ACTIVE[0] if ACTIVE else None
         slot = getattr(req.kv, "req_pool_idx", None)
-        st = backend.slots.get(slot) if backend is not None and slot is not None else None
-        if st is None or st.rid != req.rid:
+        owner = backend.requests.get(slot) if backend is not None and slot is not None else None
+        if owner is None or owner.rid != req.rid:
             return None
-        mem = export_memory(st, backend.num_layers)
+        mem = export_memory(backend, slot)
         if mem is None:
             return None
         target = None

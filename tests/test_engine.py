@@ -142,6 +142,7 @@ def test_per_request_options_apply(engine, prompts):
 @pytest.mark.parametrize("bad, fragment", [
     ({"budget": -1}, "budget"),
     ({"budget": 100000}, "exceeds"),
+    ({"sinks": 8}, "cannot differ"),
     ({"no_such_option": 1}, "no_such_option"),
     ({"enabled": "yes"}, "enabled"),
     ("fast please", "must be an object"),

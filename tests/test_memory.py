@@ -165,7 +165,7 @@ def test_reset_store_and_bytes():
     Hkv, D = 2, 8
     mem = SparseMemory(3, [1, 2], 5, Hkv, D, CFG, DEV, torch.float16, packed=False)
     L, M, K = 2, 5, CFG.budget
-    assert mem.bytes() == L * M * Hkv * K * 4 + M * 4 + M * 8 + M * 4 + M * 8
+    assert mem.bytes() == L * M * Hkv * K * 4 + M * 4 + M * 8 + M * 4 + M * 8 + M * 2 * 8
     st, gen = make_pool([70, 30], Hkv, 1, D, max_slots=5)
     pos, cnt, ws = selection(CFG, [70, 30], Hkv, gen, k=5)
     mem.store(2, st["rpi"], pos, cnt, ws, st["k"], st["v"], st["rtt"])

@@ -1,0 +1,598 @@
+"""`sfi-sglang bench throughput`: decode tokens/s, SFI vs dense, on a Qwen3-4B-shaped model
+with dummy (random) weights, at long contexts.
+
+Real SGLang cannot run on the GPU machine we measure on (bench/NOTES.md, "End to end":
+its import pulls ~150 packages and its CUDA layers need sgl_kernel's CUDA ops), so this is
+the harness issue #5 allows: SGLang's memory layout (a req_to_token table and per-layer
+token-slot K/V buffers [slots, H_kv, D]), SGLang's method names (init_forward_metadata,
+forward_decode(q, k, v, layer, forward_batch)), and the product's own `sfi` backend
+(sfi_sglang.backend.SFIAttnBackend: plan, SparseMemory, kernels, Selector) driven by a
+plain-torch decoder. The dense baseline is the same paged flash-decoding Triton kernel the
+slow steps use (kernels.dense_decode, SGLang's triton-backend design), so dense and SFI
+share every non-attention op.
+
+Steps: every decode step of the model (embedding to greedy argmax) is one CUDA graph: SFI
+steps whose rows are all fast replay a graph captured with an all-fast plan, steps whose
+rows are all slow one captured per score-buffer length (backend.SCORE_BUCKET); mixed steps
+run eagerly (here the requests start together, so slow steps are all-slow). Random
+weights make boundaries meaningless, so SFI refreshes every `--slow-every` steps
+(`refresh="interval"`): a realistic rate of one slow step per ~24 tokens. The prompt's K/V
+are random values written straight into the pools (no prefill); a request's first decode
+step is a slow step (it has no selection yet) and is not timed.
+
+The ideal bound comes from parts measured in the same run: the step without attention,
+the dense attention of all layers, the fast attention, and the slow-step attention:
+ideal SFI step = none + (1 - r) * fast_attn + r * slow_attn, r = 1 / slow_every.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+from sfi_sglang.backend import ACTIVE, SFIAttnBackend
+from sfi_sglang.boundary import TriggerPolicy
+from sfi_sglang.config import SFIConfig, export_config
+
+SHAPES = {
+    # Qwen3-4B: 36 layers, hidden 2560, 32 query / 8 KV heads of 128, MLP 9728
+    "qwen3-4b": dict(layers=36, hidden=2560, heads=32, kv_heads=8, head_dim=128, inter=9728,
+                     vocab=151936, qk_norm=True),
+    # a tiny shape for CPU smoke tests
+    "tiny": dict(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=128, vocab=512,
+                 qk_norm=True),
+}
+
+
+# ---------------------------------------------------------------------- SGLang-layout pools
+class ReqToTokenPool:
+    """SGLang's ReqToTokenPool layout: req_to_token [slots + 1, max_context] int32 (row 0 is
+    SGLang's padding row)."""
+
+    def __init__(self, size: int, max_context: int, device):
+        self.req_to_token = torch.zeros(size + 1, max_context, dtype=torch.int32, device=device)
+        self._on_alloc_rows = None
+
+    def register_on_alloc_rows(self, hook):
+        self._on_alloc_rows = hook
+
+
+class TokenToKVPool:
+    """SGLang's MHATokenToKVPool layout: per layer K and V [tokens + 1, H_kv, D]."""
+
+    def __init__(self, tokens: int, layers: int, kv_heads: int, head_dim: int, dtype, device):
+        shape = (tokens + 1, kv_heads, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+
+    def get_key_buffer(self, layer_id):
+        return self.k[layer_id]
+
+    def get_value_buffer(self, layer_id):
+        return self.v[layer_id]
+
+    def set_kv_buffer(self, layer, loc, k, v):
+        self.k[layer.layer_id][loc] = k.view(-1, *self.k[0].shape[1:]).to(self.k[0].dtype)
+        self.v[layer.layer_id][loc] = v.view(-1, *self.v[0].shape[1:]).to(self.v[0].dtype)
+
+
+@dataclass
+class Mode:
+    decode: bool
+
+    def is_decode(self):
+        return self.decode
+
+    def is_extend(self):
+        return not self.decode
+
+    def is_mixed(self):
+        return False
+
+
+@dataclass
+class Batch:
+    """The ForwardBatch fields the backends read (static tensors, updated in place)."""
+
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    input_ids: torch.Tensor
+    out_cache_loc: torch.Tensor
+    positions: torch.Tensor
+    rids: list
+    forward_mode: Mode = field(default_factory=lambda: Mode(True))
+    sampling_info: object = None
+    extend_prefix_lens_cpu: Optional[list] = None
+    extend_seq_lens: Optional[torch.Tensor] = None
+    extend_start_loc: Optional[torch.Tensor] = None
+
+
+class DenseBackend:
+    """The dense baseline: paged flash-decoding through req_to_token (kernels.dense_decode,
+    the torch reference off CUDA)."""
+
+    def __init__(self, req_to_token_pool, kv_pool, max_len: int):
+        from sfi_sglang.memory import load_kernels
+
+        self.r2t = req_to_token_pool.req_to_token
+        self.kv = kv_pool
+        self.max_len = max_len
+        self.k = load_kernels()
+
+    def init_forward_metadata(self, forward_batch):
+        pass
+
+    def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True):
+        if save_kv_cache:
+            self.kv.set_kv_buffer(layer, fb.out_cache_loc, k, v)
+        q = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        kc, vc = self.kv.get_key_buffer(layer.layer_id), self.kv.get_value_buffer(layer.layer_id)
+        if q.is_cuda:
+            o = self.k.dense_decode(q, kc, vc, self.r2t, fb.req_pool_indices, fb.seq_lens,
+                                    layer.scaling, max_len=self.max_len)
+        else:
+            o, _ = self.k.ref_dense_decode_with_scores(q, kc, vc, self.r2t, fb.req_pool_indices,
+                                                       fb.seq_lens, layer.scaling,
+                                                       compute_dtype=torch.float32)
+            o = o.to(q.dtype)
+        return o.reshape(q.shape[0], -1)
+
+
+class HarnessSFIBackend(SFIAttnBackend):
+    """The product's backend; only the three SGLang services are replaced (see
+    SFIAttnBackend: tokenizer boundary tables, KVWriteLoc, radix sharing)."""
+
+    def _make_policy(self, model_runner, max_slots):
+        vocab = model_runner.model_config.vocab_size
+        return TriggerPolicy(torch.zeros(vocab, dtype=torch.bool), torch.ones(vocab, dtype=torch.bool),
+                             max_slots, self.cfg, self.device)
+
+    def _save_kv(self, layer, forward_batch, k, v):
+        self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+
+    def _share_prefix(self, slot, req, rid, prefix_len, seq_len):
+        req.bootstrap_computed += 1
+        return False
+
+
+# ---------------------------------------------------------------------- the model
+def _rms(x, w, eps=1e-6):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+class DummyModel:
+    """A Qwen3-shaped decoder (RMSNorm, QKV, q/k norm, RoPE, attention through a backend,
+    O, SwiGLU MLP, LM head, greedy) with random weights."""
+
+    def __init__(self, shape: dict, dtype, device, seed: int = 0):
+        g = torch.Generator(device=device).manual_seed(seed)
+        s = SimpleNamespace(**shape)
+        self.s = s
+        H, Hk, D, E, I = s.heads, s.kv_heads, s.head_dim, s.hidden, s.inter
+
+        def w(*shape_, std=None):
+            std = std if std is not None else 1.0 / math.sqrt(shape_[-1])
+            return torch.empty(*shape_, dtype=torch.float32, device=device).normal_(
+                0, std, generator=g).to(dtype)
+
+        self.embed = w(s.vocab, E, std=1.0)
+        self.lm_head = w(s.vocab, E)
+        self.norm = torch.ones(E, dtype=dtype, device=device)
+        self.layers = []
+        for i in range(s.layers):
+            self.layers.append(SimpleNamespace(
+                qkv=w((H + 2 * Hk) * D, E), o=w(E, H * D), gate_up=w(2 * I, E), down=w(E, I),
+                ln1=torch.ones(E, dtype=dtype, device=device), ln2=torch.ones(E, dtype=dtype, device=device),
+                qn=torch.ones(D, dtype=dtype, device=device), kn=torch.ones(D, dtype=dtype, device=device),
+                attn=SimpleNamespace(layer_id=i, tp_q_head_num=H, tp_k_head_num=Hk, qk_head_dim=D,
+                                     v_head_dim=D, scaling=D ** -0.5)))
+        inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+        self.inv_freq = inv.to(device)
+
+    def _rope(self, x, pos):
+        # x [B, h, D], pos [B]: neox-style rotation
+        f = pos.float()[:, None] * self.inv_freq[None]  # [B, D/2]
+        cos, sin = f.cos()[:, None, :], f.sin()[:, None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+
+    def step(self, backend, fb: Batch, attention: bool = True) -> torch.Tensor:
+        """One decode step for the batch; returns the greedy next ids [B]."""
+        s = self.s
+        B = fb.input_ids.shape[0]
+        H, Hk, D = s.heads, s.kv_heads, s.head_dim
+        h = self.embed[fb.input_ids]
+        for L in self.layers:
+            x = _rms(h, L.ln1)
+            qkv = x @ L.qkv.T
+            q, k, v = qkv.split([H * D, Hk * D, Hk * D], dim=-1)
+            q = self._rope(_rms(q.view(B, H, D), L.qn), fb.positions)
+            k = self._rope(_rms(k.view(B, Hk, D), L.kn), fb.positions)
+            if attention:
+                o = backend.forward_decode(q.reshape(B, -1), k, v.reshape(B, Hk, D), L.attn, fb)
+            else:
+                o = q.reshape(B, -1)
+            h = h + o @ L.o.T
+            gu = _rms(h, L.ln2) @ L.gate_up.T
+            gate, up = gu.chunk(2, dim=-1)
+            h = h + (torch.nn.functional.silu(gate) * up) @ L.down.T
+        return (_rms(h, self.norm) @ self.lm_head.T).argmax(-1)
+
+
+# ---------------------------------------------------------------------- one configuration
+class Setup:
+    """Pools, a batch of B requests of context n, and both backends."""
+
+    def __init__(self, model: DummyModel, cfg: SFIConfig, n: int, batch: int, steps: int, device, dtype):
+        s = model.s
+        self.model, self.n, self.B, self.steps = model, n, batch, steps
+        cap = n + steps + 8
+        self.cap = cap
+        self.r2t_pool = ReqToTokenPool(batch, cap, device)
+        self.kv = TokenToKVPool(batch * cap, s.layers, s.kv_heads, s.head_dim, dtype, device)
+        slots = torch.arange(1, batch + 1, device=device)
+        base = 1 + (slots - 1) * cap  # request b's tokens are [base_b, base_b + cap)
+        self.r2t_pool.req_to_token[1:batch + 1] = (base[:, None] + torch.arange(cap, device=device)).int()
+        self.base = base
+        self.fb = Batch(req_pool_indices=slots, seq_lens=torch.full((batch,), n, device=device),
+                        input_ids=torch.zeros(batch, dtype=torch.int64, device=device),
+                        out_cache_loc=base + n - 1, positions=torch.full((batch,), n - 1, device=device),
+                        rids=[f"r{b}" for b in range(batch)])
+        self.dense = DenseBackend(self.r2t_pool, self.kv, cap)
+        runner = SimpleNamespace(device=torch.device(device), req_to_token_pool=self.r2t_pool,
+                                 token_to_kv_pool=self.kv,
+                                 model_config=SimpleNamespace(num_hidden_layers=s.layers, vocab_size=s.vocab))
+        export_config(cfg)
+        self.sfi = HarnessSFIBackend(runner, self.dense)
+        self.fill(seed=1)
+
+    def fill(self, seed: int):
+        """Random prompt K/V for positions [0, n - 1) of every request (and their key norms)."""
+        from sfi_sglang.kernels import store_key_norms
+
+        g = torch.Generator(device=self.fb.seq_lens.device).manual_seed(seed)
+        locs = (self.base[:, None] + torch.arange(self.n - 1, device=self.base.device)).reshape(-1)
+        for lid, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
+            shape = (locs.numel(), *k.shape[1:])
+            kk = torch.randn(shape, generator=g, device=k.device, dtype=torch.float32).to(k.dtype)
+            k[locs] = kk
+            v[locs] = torch.randn(shape, generator=g, device=v.device, dtype=torch.float32).to(v.dtype)
+            store_key_norms(kk, locs, self.sfi.key_norms[lid])
+            del kk
+
+    def reset(self, first_ids: torch.Tensor):
+        """Every request back at context n (its last prompt token as input), SFI memory
+        empty: the next SFI decode step is each request's first, a slow step."""
+        fb = self.fb
+        fb.seq_lens.fill_(self.n)
+        fb.positions.fill_(self.n - 1)
+        fb.out_cache_loc.copy_(self.base + self.n - 1)
+        fb.input_ids.copy_(first_ids)
+        slots = fb.req_pool_indices.tolist()
+        self.sfi._on_alloc_rows(slots)
+        ext = Batch(req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens, input_ids=fb.input_ids,
+                    out_cache_loc=fb.out_cache_loc, positions=fb.positions, rids=fb.rids,
+                    forward_mode=Mode(False), extend_prefix_lens_cpu=[0] * self.B)
+        self.sfi._start_requests(ext)
+
+    def advance(self, next_ids: torch.Tensor):
+        fb = self.fb
+        fb.input_ids.copy_(next_ids)
+        fb.seq_lens.add_(1)
+        fb.positions.add_(1)
+        fb.out_cache_loc.add_(1)
+
+
+def _graph(fn, warmup: int = 2):
+    """CUDA graph of fn() (whose inputs are static tensors); returns (graph, output)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
+class Runner:
+    """Decode loops of one Setup: dense, SFI, and the parts of the ideal bound."""
+
+    def __init__(self, st: Setup, use_graphs: bool):
+        self.st = st
+        self.graphs = use_graphs and st.fb.seq_lens.is_cuda
+        self.cuda = st.fb.seq_lens.is_cuda
+        self._dense_g = None
+        self._step_graphs = {}  # SFI step graphs: "fast", or the slow steps' score lengths
+
+    def _sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def _timer(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _elapsed(self, a, b) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
+    # -------------------------------------------------------------- dense
+    def run_dense(self, first_ids, steps):
+        st, m = self.st, self.st.model
+        st.reset(first_ids)
+        step = lambda: m.step(st.dense, st.fb)
+        if self.graphs and self._dense_g is None:
+            self._dense_g = _graph(step)
+            st.reset(first_ids)
+        out = []
+        t0 = self._timer()
+        for _ in range(steps):
+            if self.graphs:
+                self._dense_g[0].replay()
+                nxt = self._dense_g[1]
+            else:
+                nxt = step()
+            out.append(nxt.clone())
+            st.advance(nxt)
+        t1 = self._timer()
+        return torch.stack(out, 1), self._elapsed(t0, t1)
+
+    # -------------------------------------------------------------- SFI
+    def run_sfi(self, first_ids, steps):
+        """First step (the bootstrap-less first selection) untimed, then `steps` timed."""
+        st, m, be = self.st, self.st.model, self.st.sfi
+        s = m.s
+        st.reset(first_ids)
+        out = []
+        slow_steps = 0
+
+        def eager():
+            return m.step(be, st.fb)
+
+        def one():
+            nonlocal slow_steps
+            be.init_forward_metadata(st.fb)
+            plan = be.plan
+            slow = any(k == "slow" for k in plan.kinds)
+            slow_steps += slow
+            if not self.graphs or len(set(plan.kinds)) != 1:
+                return eager()
+            # all rows fast: one graph; all rows slow: one graph per score-buffer length
+            key = "fast" if not slow else tuple(g.n_max for g in plan.layer_rows(s.layers - 1).slow)
+            if key not in self._step_graphs:
+                self._step_graphs[key] = (*self._capture(plan), plan)  # the graph reads the plan's index tensors
+            graph, out_ids, _ = self._step_graphs[key]
+            graph.replay()
+            return out_ids
+
+        nxt = one()  # first decode step: every request selects (slow)
+        out.append(nxt.clone())
+        st.advance(nxt)
+        slow_steps = 0
+        t0 = self._timer()
+        for _ in range(steps):
+            nxt = one()
+            out.append(nxt.clone())
+            st.advance(nxt)
+        t1 = self._timer()
+        return torch.stack(out, 1), self._elapsed(t0, t1), slow_steps
+
+    def _capture(self, plan):
+        """A graph of one SFI step with this plan (its index tensors made before capture);
+        the batch's tensors are restored after the warm-up runs."""
+        st, m, be = self.st, self.st.model, self.st.sfi
+        for lid in range(m.s.layers):
+            plan.layer_rows(lid)
+        fb = st.fb
+        live = (fb.seq_lens, fb.positions, fb.out_cache_loc, fb.input_ids)
+        saved = [t.clone() for t in live]
+        graph = _graph(lambda: m.step(be, fb))
+        for t, v in zip(live, saved):
+            t.copy_(v)
+        return graph
+
+    # -------------------------------------------------------------- parts
+    def time_parts(self, first_ids, reps: int):
+        """Seconds per step: the model without attention; attention alone (all layers) for
+        dense, SFI fast and SFI slow steps at the current contexts."""
+        st, m, be = self.st, self.st.model, self.st.sfi
+        s = m.s
+        B = st.B
+        dev = st.fb.seq_lens.device
+        dt = st.kv.k[0].dtype
+        q = torch.randn(B, s.heads * s.head_dim, device=dev, dtype=torch.float32).to(dt)
+        k = torch.randn(B, s.kv_heads, s.head_dim, device=dev, dtype=torch.float32).to(dt)
+        v = torch.randn_like(k)
+        attn = [L.attn for L in m.layers]
+
+        def none():
+            return m.step(None, st.fb, attention=False)
+
+        def dense_attn():
+            for a in attn:
+                st.dense.forward_decode(q, k, v, a, st.fb)
+
+        def sfi_attn():
+            for a in attn:
+                be.forward_decode(q, k, v, a, st.fb)
+
+        res = {}
+        st.reset(first_ids)
+        be.init_forward_metadata(st.fb)  # the first step selects (no selection yet)
+        st.advance(m.step(be, st.fb))
+        be.init_forward_metadata(st.fb)  # then a fast plan (interval >= 2)
+        assert all(k_ == "fast" for k_ in be.plan.kinds), be.plan.kinds
+        for lid in range(s.layers):
+            be.plan.layer_rows(lid)
+        fast_plan = be.plan
+        last = attn[-1]
+        kc, vc = st.kv.get_key_buffer(last.layer_id), st.kv.get_value_buffer(last.layer_id)
+        q3 = q.view(B, s.heads, s.head_dim)
+
+        def fast_layer():  # one sparse layer's fast attention alone (SparseMemory -> kernel)
+            be.memory.attend_fast(last.layer_id, q3, kc, vc, st.r2t_pool.req_to_token,
+                                  st.fb.req_pool_indices, st.fb.seq_lens, last.scaling)
+
+        for name, fn in (("none", none), ("dense_attn", dense_attn), ("fast_attn", sfi_attn),
+                         ("dense_layer", lambda: st.dense.forward_decode(q, k, v, last, st.fb)),
+                         ("fast_layer", fast_layer)):
+            be.plan = fast_plan
+            res[name] = self._time(fn, reps)
+        # slow attention: a plan whose rows are all slow (forced), eager
+        be.policy.since[st.fb.req_pool_indices] = be.policy.max_interval[st.fb.req_pool_indices]
+        be.init_forward_metadata(st.fb)
+        assert all(k_ == "slow" for k_ in be.plan.kinds), be.plan.kinds
+        for lid in range(s.layers):
+            be.plan.layer_rows(lid)
+        res["slow_attn"] = self._time(sfi_attn, reps)
+        return res
+
+    def _time(self, fn, reps):
+        if self.graphs:
+            g, _ = _graph(fn)
+            fn = g.replay
+        else:
+            fn()
+        ts = []
+        for _ in range(reps):
+            a = self._timer()
+            fn()
+            b = self._timer()
+            ts.append(self._elapsed(a, b))
+        ts.sort()
+        return ts[len(ts) // 2]
+
+
+# ---------------------------------------------------------------------- the command
+def throughput(args) -> dict:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the GPU machine may lack it
+        def tqdm(it, **_):
+            return it
+        tqdm.write = print
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    shape = SHAPES[args.shape]
+    cfg = SFIConfig(budget=args.sfi_budget, window=args.sfi_window, sinks=args.sfi_sinks,
+                    dense_layers=tuple(int(x) for x in args.sfi_dense_layers.split(",") if x != ""),
+                    refresh="interval", max_interval=args.slow_every,
+                    min_gap=min(SFIConfig.min_gap, args.slow_every))
+    model = DummyModel(shape, dtype, device)
+    configs = [tuple(int(x) for x in item.split("x")) for item in args.configs.split(",")]
+    rows = []
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for n, b in tqdm(configs, desc="contexts x batch", unit="config"):
+        st = Setup(model, cfg, n, b, args.steps + 2, device, dtype)
+        run = Runner(st, not args.no_cuda_graph)
+        first = torch.randint(0, shape["vocab"], (b,), generator=g).to(device)
+        dense_ids, t_dense = run.run_dense(first, args.steps)
+        run.run_sfi(first, args.steps)  # warm-up: Triton compiles slow-step variants (N mod 16)
+        sfi_ids, t_sfi, n_slow = run.run_sfi(first, args.steps)
+        parts = run.time_parts(first, args.reps)
+        r = 1.0 / args.slow_every
+        ideal_sfi = parts["none"] + (1 - r) * parts["fast_attn"] + r * parts["slow_attn"]
+        dense_step = t_dense / args.steps
+        sfi_step = t_sfi / args.steps
+        row = {
+            "context": n, "batch": b, "steps": args.steps,
+            "dense_tok_s": b / dense_step, "sfi_tok_s": b / sfi_step,
+            "speedup": dense_step / sfi_step,
+            "slow_steps": n_slow, "slow_rate": n_slow / args.steps,
+            "parts_ms": {k: v * 1e3 for k, v in parts.items()},
+            "ideal_speedup": dense_step / ideal_sfi,
+            "fraction_of_ideal": ideal_sfi / sfi_step,
+            "dense_step_ms": dense_step * 1e3, "sfi_step_ms": sfi_step * 1e3,
+            # tokens equal while every context fits S + W + K (then SFI attends to everything)
+            "fits_budget": n + args.steps + 1 <= cfg.sinks + cfg.window + cfg.budget,
+            # same start, same greedy tokens? (exact in fp32 when the contexts fit the budget;
+            # in bf16 the two kernels' rounding can flip a near-tie of the random model)
+            "tokens_equal_dense": float((dense_ids == sfi_ids[:, :args.steps]).float().mean()),
+        }
+        rows.append(row)
+        rnd = lambda d: {k: (round(v, 3) if isinstance(v, float) else rnd(v) if isinstance(v, dict) else v)
+                         for k, v in d.items()}
+        tqdm.write(json.dumps(rnd(row)))
+        ACTIVE.remove(st.sfi)
+        del st, run
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return {"shape": args.shape, "dtype": args.dtype, "device": torch.cuda.get_device_name() if
+            device == "cuda" else "cpu", "config": cfg.to_dict(), "slow_every": args.slow_every,
+            "cuda_graphs": not args.no_cuda_graph, "rows": rows}
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for b in sorted({r["batch"] for r in result["rows"]}):
+        rs = [r for r in result["rows"] if r["batch"] == b]
+        ax.plot([r["context"] for r in rs], [r["speedup"] for r in rs], "o-", label=f"batch {b}: measured")
+        ax.plot([r["context"] for r in rs], [r["ideal_speedup"] for r in rs], "x--", label=f"batch {b}: ideal")
+    ax.set(xscale="log", xlabel="context (tokens)", ylabel="decode tokens/s, SFI / dense",
+           title=f"{result['shape']} ({result['device']}), slow step every {result['slow_every']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="sfi-sglang bench throughput",
+                                description="decode tokens/s, SFI vs dense (Qwen3-4B shape, dummy "
+                                            "weights, SGLang-layout pools; see sfi_sglang/bench.py)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
+    p.add_argument("--configs", default="8192x1,8192x64,32768x1,32768x16,131072x1,131072x4",
+                   help="comma-separated CONTEXTxBATCH")
+    p.add_argument("--steps", type=int, default=96, help="timed decode steps per run")
+    p.add_argument("--reps", type=int, default=20, help="repetitions of each timed part")
+    p.add_argument("--slow-every", type=int, default=24, help="SFI refresh interval (steps)")
+    p.add_argument("--sfi-budget", type=int, default=2048)
+    p.add_argument("--sfi-window", type=int, default=256)
+    p.add_argument("--sfi-sinks", type=int, default=4)
+    p.add_argument("--sfi-dense-layers", default="0,1")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--no-cuda-graph", action="store_true")
+    p.add_argument("--out", default="bench/results/throughput", help="writes OUT.json and OUT.png")
+    args = p.parse_args(argv)
+    try:
+        configs = [tuple(int(x) for x in item.split("x")) for item in args.configs.split(",")]
+        assert all(len(c) == 2 and c[0] > 1 and c[1] > 0 for c in configs)
+    except (ValueError, AssertionError):
+        p.error(f"--configs: expected CONTEXTxBATCH[,CONTEXTxBATCH...], got {args.configs!r}")
+    if args.steps < 1 or args.slow_every < 2 or args.reps < 1:
+        p.error("--steps and --reps must be >= 1, --slow-every >= 2")
+    result = throughput(args)
+    with open(args.out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}.json")
+    try:
+        plot(result, args.out + ".png")
+        print(f"wrote {args.out}.png")
+    except ImportError as err:  # no matplotlib on the GPU machine: plot the JSON later
+        print(f"no plot ({err}); python -c 'import json, sfi_sglang.bench as b; "
+              f"b.plot(json.load(open(\"{args.out}.json\")), \"{args.out}.png\")'")
+    return 0

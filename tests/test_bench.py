@@ -1,0 +1,103 @@
+"""`sfi-sglang bench throughput` (sfi_sglang/bench.py) on the CPU at a tiny shape, and the
+`sfi` backend's kernel path (packed SparseMemory + Triton kernels, interpreted on CPU
+tensors) against its CPU reference path on the same decode steps (issue #4 item 8)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "sfi_sglang.cli", "bench", "throughput"]
+TINY = ["--shape", "tiny", "--dtype", "float32", "--device", "cpu", "--sfi-budget", "16",
+        "--sfi-window", "8", "--sfi-sinks", "4", "--reps", "2"]
+
+
+def test_tiny_throughput_run(tmp_path):
+    out = tmp_path / "tp"
+    r = subprocess.run(CLI + TINY + ["--configs", "10x2,60x3", "--steps", "12", "--slow-every", "4",
+                                     "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=str(_REPO))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "tp.json").read_text())
+    assert (tmp_path / "tp.png").stat().st_size > 0
+    fit, long = res["rows"]
+    # 10 + 12 + 1 tokens <= S + W + K = 28: every fast step attends to everything
+    assert fit["fits_budget"] and fit["tokens_equal_dense"] == 1.0
+    assert not long["fits_budget"]
+    for row in res["rows"]:
+        # refresh every 4 steps: timed steps 4, 8, 12 are slow (the untimed first step selects)
+        assert row["slow_steps"] == 3, row
+        assert row["dense_tok_s"] > 0 and row["sfi_tok_s"] > 0
+        assert set(row["parts_ms"]) == {"none", "dense_attn", "fast_attn", "slow_attn", "dense_layer",
+                                      "fast_layer"}
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--configs", "8kx1"], "--configs"),
+    (["--slow-every", "1"], "--slow-every"),
+])
+def test_bad_options_exit_2(args, fragment):
+    r = subprocess.run(CLI + TINY + args, capture_output=True, text=True, timeout=120, cwd=str(_REPO))
+    assert r.returncode == 2 and fragment in r.stderr, r.stderr[-2000:]
+
+
+_KERNEL_VS_REFERENCE = r"""
+import torch
+from sfi_sglang import bench
+from sfi_sglang.backend import ACTIVE
+from sfi_sglang.config import SFIConfig
+from sfi_sglang.memory import SparseMemory
+
+torch.manual_seed(0)
+cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=(0,), refresh="interval",
+                max_interval=3, min_gap=1)
+model = bench.DummyModel(bench.SHAPES["tiny"], torch.float32, "cpu")
+s = model.s
+setups = [bench.Setup(model, cfg, n, 3, 8, "cpu", torch.float32) for n in (70, 70)]
+ref, ker = setups
+m = ker.sfi.memory
+ker.sfi.memory = SparseMemory(m.num_layers, m.sparse_layer_ids, m.max_slots, m.num_kv_heads,
+                              m.head_dim, cfg, "cpu", torch.float32, packed=True)
+assert ker.sfi.memory.packed and not ref.sfi.memory.packed
+first = torch.tensor([5, 7, 11])
+for st in setups:
+    st.reset(first)
+kinds_seen = set()
+for step in range(6):
+    outs = []
+    for st in setups:
+        st.sfi.init_forward_metadata(st.fb)
+        kinds_seen |= set(st.sfi.plan.kinds)
+        g = torch.Generator().manual_seed(100 + step)
+        per_layer = []
+        for L in model.layers:
+            q = torch.randn(3, s.heads * s.head_dim, generator=g)
+            k = torch.randn(3, s.kv_heads, s.head_dim, generator=g)
+            v = torch.randn(3, s.kv_heads, s.head_dim, generator=g)
+            per_layer.append(st.sfi.forward_decode(q, k, v, L.attn, st.fb))
+        outs.append(torch.stack(per_layer))
+    assert ref.sfi.plan.kinds == ker.sfi.plan.kinds
+    err = ((outs[0] - outs[1]).norm() / outs[0].norm()).item()
+    assert err < 1e-5, (step, ref.sfi.plan.kinds, err)
+    for lid in ker.sfi.memory.sparse_layer_ids:
+        for slot in ker.fb.req_pool_indices.tolist():
+            assert torch.equal(ref.sfi.memory.selected(lid, slot), ker.sfi.memory.selected(lid, slot))
+    for st in setups:
+        st.advance(torch.tensor([1, 2, 3]))
+assert kinds_seen == {"fast", "slow"}, kinds_seen
+print("OK")
+"""
+
+
+def test_backend_kernel_path_equals_reference_path():
+    """Same decode steps (slow, fast, fast, slow, ...) through the backend with the packed
+    kernel memory (Triton, interpreted) and with the torch reference: same outputs, same
+    selections. TRITON_INTERPRET must be set before triton's import: a fresh process."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", _KERNEL_VS_REFERENCE], capture_output=True, text=True,
+                       timeout=900, cwd=str(_REPO), env=env)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
