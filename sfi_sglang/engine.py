@@ -48,6 +48,16 @@ def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict
                 "drop it (SFI runs its own dense backend for slow steps) or disable SFI"
             )
         out["attention_backend"] = "sfi"
+        if has_gpu():
+            # The sfi backend plans each decode step on the host (fast/slow rows, Selector
+            # groups) in init_forward_metadata; SGLang's CUDA-graph runner would replay a
+            # stale plan, and the overlap scheduler would reset a reallocated slot's memory
+            # while the previous step may still read it. Graphs of SFI steps exist only in
+            # sfi_sglang.bench so far (bench/NOTES.md, "End to end").
+            for key in ("disable_cuda_graph", "disable_overlap_schedule"):
+                if out.get(key) is False:
+                    raise ValueError(f"{key}=False is not supported with SFI on CUDA yet; drop it or disable SFI")
+                out[key] = True
         if not out.get("disable_radix_cache"):  # shared prefixes share SFI memories
             out.setdefault("radix_cache_backend", "sfi")
         export_config(cfg)

@@ -5,7 +5,7 @@ Per slot (request) and sparse layer and KV head, a fast step at context length t
     sinks     [0, min(S, t))
     selected  the sel_count[slot] positions recorded by the last `store` (in [S, win_start))
     window    [min(max(win_start, S), t), t)
-(the semantics of backend.fast_positions + attend). The three sets are disjoint; when all
+(SFI's fast step; sfi_sglang.backend attends through this class). The three sets are disjoint; when all
 candidates were selected their union is the whole history and a fast step equals dense.
 
 Two implementations of the same semantics:

@@ -136,7 +136,7 @@ def test_reference_all_selected_equals_dense(G):
 
 def test_reference_partial_selection_matches_positions():
     """Partial selection: attend_fast == float64 attention over exactly the positions
-    sinks + selected + window (backend.fast_positions semantics), batched rows of equal
+    sinks + selected + window (the fast-step semantics of memory.py), batched rows of equal
     and different lengths."""
     Hkv, G, D = 2, 4, 16
     cfg = SFIConfig(sinks=4, window=8, budget=12, dense_layers=())
@@ -261,3 +261,25 @@ def test_kernel_fused_selector_matches_torch(overrides):
     a = S.select(logits, norms, lo, hi, 32, n_rows, cfg, fused=False)
     b = S.select(logits, norms, lo, hi, 32, n_rows, cfg, fused=True)
     assert (a == b).float().mean() > 0.98
+
+
+def test_export_import_and_step_counters():
+    """A selection copied out of one slot and into another (sfi_sglang.radix's sharing)
+    gives the same fast-step positions there; step counters reset with the slot."""
+    Hkv, D = 2, 8
+    mem = SparseMemory(3, [1, 2], 6, Hkv, D, CFG, DEV, torch.float32, packed=False)
+    st, gen = make_pool([70, 70], Hkv, 1, D, max_slots=6)
+    pos, cnt, ws = selection(CFG, [70, 70], Hkv, gen, k=5)
+    src, dst = st["rpi"].tolist()
+    for lid in (1, 2):
+        mem.store(lid, st["rpi"][:1], pos[:1], cnt[:1], ws[:1], st["k"], st["v"], st["rtt"])
+    positions, count, hi = mem.export(src)
+    mem.reset([dst])
+    mem.import_(dst, positions, count, hi, lambda lid: (st["k"], st["v"]), st["rtt"], [1, 2])
+    for lid in (1, 2):
+        assert torch.equal(mem.fast_positions(lid, dst, 75), mem.fast_positions(lid, src, 75))
+    mem.count_steps(torch.tensor([src, dst]), torch.tensor([dst]))
+    mem.count_steps(torch.tensor([src]), torch.tensor([], dtype=torch.int64))
+    assert mem.counts[src].tolist() == [2, 0] and mem.counts[dst].tolist() == [1, 1]
+    mem.reset([src])
+    assert mem.counts[src].tolist() == [0, 0] and int(mem.sel_count[src]) == 0
