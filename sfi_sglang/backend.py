@@ -154,6 +154,12 @@ class SFIAttnBackend:
 
         self.policy = self._make_policy(model_runner, max_slots)
         self.plan: Optional[DecodePlan] = None
+        # Asynchronous maintenance: a slow step's Selector + pack run on this side stream,
+        # overlapped with the step's later layers, and the next step waits for them
+        # (join_maintenance). CUDA only; off by default until measured inside SGLang
+        # (sfi_sglang.bench measures it: --async-maintenance).
+        self.side_stream = None
+        self._side_pending = False  # side-stream work not yet joined
         self.boundaries = self._boundary_summary(self.cfg.boundaries, 0)  # see install_boundaries
         ACTIVE.append(self)
         logger.info("SFI backend: %s, dense backend %s, sparse memory %.1f MB (%s path)", self.cfg,
@@ -237,7 +243,18 @@ class SFIAttnBackend:
         req.bootstrap_reused += 1
 
     # ------------------------------------------------------------------ planning
+    def enable_async_maintenance(self, on: bool = True) -> None:
+        self.side_stream = torch.cuda.Stream(self.device) if on and torch.cuda.is_available() else None
+
+    def join_maintenance(self) -> None:
+        """The current stream waits for the side stream's Selector + pack work (called at
+        each forward's start; a captured step must call it before its capture ends)."""
+        if self.side_stream is not None and self._side_pending:
+            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
+            self._side_pending = False
+
     def init_forward_metadata(self, forward_batch: ForwardBatch):
+        self.join_maintenance()
         self.dense.init_forward_metadata(forward_batch)
         mode = forward_batch.forward_mode
         self.plan = None
@@ -311,7 +328,16 @@ class SFIAttnBackend:
             sl = seq_lens[g.rows]
             o[g.rows], scores = mem.attend_slow(lid, q[g.rows], kc, vc, r2t, g.slots, sl, scale,
                                                 max_len=g.n_max)
-            self._select_decode(lid, g, scores, sl)
+            side = self.side_stream
+            if side is None:
+                self._select_decode(lid, g, scores, sl)
+                continue
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            self._side_pending = True
+            with torch.cuda.stream(side):
+                self._select_decode(lid, g, scores, sl)
+            for t in (scores, sl):  # made on the main stream, last used on the side stream
+                t.record_stream(side)
         if lr.dense is not None:
             o[lr.dense] = mem.attend_dense(q[lr.dense], kc, vc, r2t, rpi[lr.dense], seq_lens[lr.dense],
                                            scale, max_len=lr.dense_n_max)
@@ -371,27 +397,27 @@ class SFIAttnBackend:
         b, hq, n = scores.shape
         hkv = self.memory.num_kv_heads
         logits = scores.view(b, hkv, hq // hkv, n)
-        tokens = self.req_to_token_pool.req_to_token[g.slots, :n].long()
-        norms = self.key_norms[lid][tokens].permute(0, 2, 1)  # [b, H_kv, N]
+        tokens = self.req_to_token_pool.req_to_token[g.slots, :n]  # position -> KV slot
         cfg = g.cfg
         hi = (seq_lens - cfg.window).clamp_min(cfg.sinks)
         lo = torch.full_like(hi, cfg.sinks)
-        pos = self._positions(cfg, logits, norms, lo, hi, 1)
+        # the Selector gathers the key norms of the candidates itself (in-kernel on CUDA)
+        pos = self._positions(cfg, logits, self.key_norms[lid], lo, hi, 1, norm_tokens=tokens)
         pool = self.token_to_kv_pool
         self.memory.store(lid, g.slots, pos, (hi - lo).clamp_max(cfg.budget), hi, pool.get_key_buffer(lid),
                           pool.get_value_buffer(lid), self.req_to_token_pool.req_to_token,
                           seq_lens=seq_lens)
 
-    def _positions(self, cfg, logits, norms, lo, hi, n_rows) -> torch.Tensor:
+    def _positions(self, cfg, logits, norms, lo, hi, n_rows, norm_tokens=None) -> torch.Tensor:
         """Selected positions [b, H_kv, <= K] (sorted, -1 padded) from logits [b, H_kv, R', N];
-        lo, hi [b] int64 tensors on the logits' device."""
+        lo, hi [b] int64 tensors on the logits' device; norms as in selector.select."""
         if cfg.method == "snapkv":
             out = torch.full((logits.shape[0], logits.shape[1], cfg.budget), -1, dtype=torch.int64)
             for i, (l, h) in enumerate(zip(lo.tolist(), hi.tolist())):
                 sel = snapkv_select(logits[i].cpu(), l, h, cfg.budget)
                 out[i, :, :sel.shape[1]] = sel
             return out.to(logits.device)
-        return select(logits, norms, lo, hi, cfg.budget, n_rows, cfg)
+        return select(logits, norms, lo, hi, cfg.budget, n_rows, cfg, norm_tokens=norm_tokens)
 
     # ------------------------------------------------------------------ boundaries
     def install_boundaries(self, is_boundary: torch.Tensor, is_content: torch.Tensor,

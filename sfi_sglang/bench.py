@@ -206,7 +206,8 @@ class DummyModel:
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
     def step(self, backend, fb: Batch, attention: bool = True) -> torch.Tensor:
-        """One decode step for the batch; returns the greedy next ids [B]."""
+        """One decode step for the batch; returns the greedy next ids [B]. Ends by joining
+        the backend's side stream (asynchronous maintenance), so a captured step does."""
         s = self.s
         B = fb.input_ids.shape[0]
         H, Hk, D = s.heads, s.kv_heads, s.head_dim
@@ -225,7 +226,10 @@ class DummyModel:
             gu = _rms(h, L.ln2) @ L.gate_up.T
             gate, up = gu.chunk(2, dim=-1)
             h = h + (torch.nn.functional.silu(gate) * up) @ L.down.T
-        return (_rms(h, self.norm) @ self.lm_head.T).argmax(-1)
+        ids = (_rms(h, self.norm) @ self.lm_head.T).argmax(-1)
+        if backend is not None and hasattr(backend, "join_maintenance"):
+            backend.join_maintenance()
+        return ids
 
 
 # ---------------------------------------------------------------------- one configuration
@@ -507,6 +511,17 @@ def throughput(args) -> dict:
         dense_ids, t_dense = run.run_dense(first, args.steps)
         run.run_sfi(first, args.steps)  # warm-up: Triton compiles slow-step variants (N mod 16)
         sfi_ids, t_sfi, n_slow = run.run_sfi(first, args.steps)
+        async_row = {}
+        if args.async_maintenance:
+            st.sfi.enable_async_maintenance()
+            arun = Runner(st, not args.no_cuda_graph)
+            arun.run_sfi(first, args.steps)
+            a_ids, t_async, _ = arun.run_sfi(first, args.steps)
+            st.sfi.enable_async_maintenance(False)
+            async_row = {"sfi_async_tok_s": b * args.steps / t_async,
+                         "async_saved_ms_per_step": (t_sfi - t_async) / args.steps * 1e3,
+                         "async_tokens_equal_sync": bool(torch.equal(a_ids, sfi_ids))}
+            del arun
         parts = run.time_parts(first, args.reps)
         r = 1.0 / args.slow_every
         ideal_sfi = parts["none"] + (1 - r) * parts["fast_attn"] + r * parts["slow_attn"]
@@ -526,6 +541,7 @@ def throughput(args) -> dict:
             # same start, same greedy tokens? (exact in fp32 when the contexts fit the budget;
             # in bf16 the two kernels' rounding can flip a near-tie of the random model)
             "tokens_equal_dense": float((dense_ids == sfi_ids[:, :args.steps]).float().mean()),
+            **async_row,
         }
         rows.append(row)
         rnd = lambda d: {k: (round(v, 3) if isinstance(v, float) else rnd(v) if isinstance(v, dict) else v)
@@ -538,7 +554,8 @@ def throughput(args) -> dict:
             torch.cuda.empty_cache()
     return {"shape": args.shape, "dtype": args.dtype, "device": torch.cuda.get_device_name() if
             device == "cuda" else "cpu", "config": cfg.to_dict(), "slow_every": args.slow_every,
-            "cuda_graphs": not args.no_cuda_graph, "rows": rows}
+            "cuda_graphs": not args.no_cuda_graph, "async_maintenance": args.async_maintenance,
+            "rows": rows}
 
 
 def plot(result: dict, path: str) -> None:
@@ -576,6 +593,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default=None)
     p.add_argument("--no-cuda-graph", action="store_true")
+    p.add_argument("--async-maintenance", action="store_true",
+                   help="also time SFI with the Selector + pack of slow steps on a side stream")
     p.add_argument("--out", default="bench/results/throughput", help="writes OUT.json and OUT.png")
     args = p.parse_args(argv)
     try:

@@ -246,19 +246,24 @@ def _top_k_from_key_torch(key: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def select(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-           k: int, n_rows, cfg: SFIConfig, fused=None) -> torch.Tensor:
+           k: int, n_rows, cfg: SFIConfig, fused=None, norm_tokens=None) -> torch.Tensor:
     """Selected positions [B, H, k] int64 (sorted ascending, -1 padding at the end).
 
-    logits [B, H, R, N] of the slow step's rows (-inf where masked), key_norms [B, H, N],
-    lo/hi [B] the candidate range [lo, hi) (see candidate_range), n_rows the number of
-    captured query rows (int or [B]). fused: use the Triton pipeline (select_key_fused);
-    default: on CUDA when Triton imports. Either way no host sync (CUDA-graph capturable).
-    B may flatten layers x requests.
+    logits [B, H, R, N] of the slow step's rows (-inf where masked), key_norms [B, H, N]
+    -- or, with norm_tokens [B, N] int (each position's KV-pool slot), SGLang-layout norms
+    [slots, H] gathered by them (inside the fused kernel) --, lo/hi [B] the candidate range
+    [lo, hi) (see candidate_range), n_rows the number of captured query rows (int or [B]).
+    fused: use the Triton pipeline (select_key_fused); default: on CUDA when Triton
+    imports. Either way no host sync (CUDA-graph capturable). B may flatten layers x
+    requests.
     """
     if fused is None:
         fused = logits.is_cuda and _fused_available()
     if fused:
-        return _top_k_from_key(select_key_fused(logits, key_norms, lo, hi, n_rows, cfg), k)
+        key = select_key_fused(logits, key_norms, lo, hi, n_rows, cfg, norm_tokens=norm_tokens)
+        return _top_k_from_key(key, k)
+    if norm_tokens is not None:
+        key_norms = key_norms[norm_tokens.long()].permute(0, 2, 1)
     score = select_scores(logits, key_norms, lo, hi, n_rows, cfg)
     return top_k_positions(score, candidate_mask(lo, hi, logits.shape[-1]), k)
 
@@ -280,7 +285,7 @@ def _fused_available() -> bool:
 
 
 def select_key_fused(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor,
-                     hi: torch.Tensor, n_rows, cfg: SFIConfig) -> torch.Tensor:
+                     hi: torch.Tensor, n_rows, cfg: SFIConfig, norm_tokens=None) -> torch.Tensor:
     """Steps 1-5 + the top-k key of top_k_positions, fused in Triton (kernels/selector.py):
     [B, H, N] float32, s'' on the candidates (float32 lowest where s'' is -inf), -inf off
     them. Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1. No host sync."""
@@ -294,4 +299,5 @@ def select_key_fused(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Te
     else:
         lam_max = torch.full((b,), cfg.lambda_max_single if int(n_rows) == 1 else cfg.lambda_max_multi,
                              dtype=torch.float32, device=logits.device)
-    return load_kernels().fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg)
+    return load_kernels().fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg,
+                                         norm_tokens=norm_tokens)

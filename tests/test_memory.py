@@ -283,3 +283,25 @@ def test_export_import_and_step_counters():
     assert mem.counts[src].tolist() == [2, 0] and mem.counts[dst].tolist() == [1, 1]
     mem.reset([src])
     assert mem.counts[src].tolist() == [0, 0] and int(mem.sel_count[src]) == 0
+
+
+@kernel_test
+def test_kernel_fused_selector_gathers_pool_norms():
+    """norm_tokens: the fused Selector reads the norms from an SGLang-layout pool [slots, H]
+    through each position's KV slot (what the backend passes), same key as the norms
+    gathered beforehand; the torch path does that gather itself."""
+    from sfi_sglang import selector as S
+
+    cfg = SFIConfig(dense_layers=())
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    B, H, R, N, T = 2, 4, 1, 200, 1000
+    logits = (torch.randn(B, H, R, N, generator=gen) * 3).to(DEV)
+    pool = (torch.rand(T, H, generator=gen) * 4 + 0.2).to(DEV)
+    tokens = torch.stack([torch.randperm(T, generator=gen)[:N] for _ in range(B)]).int().to(DEV)
+    lo, hi = torch.tensor([4, 4], device=DEV), torch.tensor([150, 190], device=DEV)
+    norms = pool[tokens.long()].permute(0, 2, 1)
+    key = S.select_key_fused(logits, norms, lo, hi, 1, cfg)
+    key_g = S.select_key_fused(logits, pool, lo, hi, 1, cfg, norm_tokens=tokens)
+    assert torch.equal(key, key_g)
+    pos = S.select(logits, pool, lo, hi, 32, 1, cfg, fused=False, norm_tokens=tokens)
+    assert torch.equal(pos, S.select(logits, norms, lo, hi, 32, 1, cfg, fused=False))
