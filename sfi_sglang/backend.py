@@ -12,8 +12,16 @@ history, so the fast step equals dense attention. Selections happen at the end o
 prefill (bootstrap, from the last prompt query rows) and at slow steps (dense attention
 whose logits feed the Selector), decided per request and step by the TriggerPolicy.
 
+That state lives in a SparseMemory (sfi_sglang.memory): tensors indexed by the request-pool
+slot, reset when SGLang allocates the slot (ReqToTokenPool.register_on_alloc_rows); on CUDA
+fast steps, slow-step scores and packing run the Triton kernels (sfi_sglang.kernels), on
+the CPU the torch reference. A `Request` record per slot keeps only host-side options and
+what meta_info reports.
+
 The decode work is planned once per forward in init_forward_metadata (which rows are
-fast, which slow, counters), and each layer's forward only computes.
+fast, which slow, counters, index tensors per layer pattern), and each layer's forward
+only computes: no host sync, no host-made tensor, so whole steps can be captured in CUDA
+graphs (sfi_sglang.bench does; SGLang's own graph runner is not wired yet).
 """
 
 from __future__ import annotations
