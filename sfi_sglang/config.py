@@ -75,6 +75,9 @@ class SFIConfig:
     nms_strength: float = 1.0
     excl_temperature: float = 2.0
     excl_strength: float = 0.85
+    # neighbourhood max-pooling of the final score (selector.pool_neighbours); 0 = off.
+    # Default 3 with soft-NMS off (use_nms): measured, see README and issue 8
+    pool_radius: int = 3
     # "sfi", or a baseline run by the same backend at the same token budget (S + W + K):
     # "streaming" (StreamingLLM: sinks + a sliding window of W + K), "snapkv" (select K once
     # at the end of prefill from the observation rows, never refresh), "quest" (every step,
@@ -84,7 +87,7 @@ class SFIConfig:
     page_size: int = 16
     # ablation switches
     use_prior: bool = True
-    use_nms: bool = True
+    use_nms: bool = False                # the spec's soft-NMS: off by default (README, issue 8)
     use_exclusivity: bool = True
 
     def __post_init__(self):
@@ -121,7 +124,7 @@ class SFIConfig:
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 bad(name, "a positive integer")
-        for name in ("sinks", "cooldown", "nms_radius"):
+        for name in ("sinks", "cooldown", "nms_radius", "pool_radius"):
             v = getattr(self, name)
             if not is_int(v) or v < 0:
                 bad(name, "a non-negative integer")

@@ -74,7 +74,9 @@ METHODS = {
     "sfi": Method("sfi", {}),
     "sfi-geometric": Method("sfi-geometric", {"fusion": "geometric"}),
     "sfi-no-prior": Method("sfi-no-prior", {"use_prior": False}),
-    "sfi-no-nms": Method("sfi-no-nms", {"use_nms": False}),
+    # the spec's reference Selector: soft-NMS on, no neighbourhood pooling (the old default)
+    "sfi-spec-nms": Method("sfi-spec-nms", {"use_nms": True, "pool_radius": 0}),
+    "sfi-no-pool": Method("sfi-no-pool", {"pool_radius": 0}),
     "sfi-no-exclusivity": Method("sfi-no-exclusivity", {"use_exclusivity": False}),
     "sfi-interval": Method("sfi-interval", {"refresh": "interval", "max_interval": 24}),
     "sfi-no-dense-layers": Method("sfi-no-dense-layers", {"dense_layers": []}),
@@ -140,6 +142,11 @@ def run(args) -> dict:
     force = TeacherForce.to_str()
     tok = engine.tokenizer_manager.tokenizer
     rows = []
+    partial = Path(args.out).with_suffix(".partial.json")
+
+    def save():  # rows so far, so a run stopped early still leaves its finished rows
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     try:
         # (a) teacher-forced agreement and KL
         samples = {n: texts(tok, n + args.steps, args.texts) for n in contexts}  # tokenized once
@@ -171,15 +178,17 @@ def run(args) -> dict:
                                      "mean_kl": ev.get("kl", 0.0) / steps, "steps": ev.get("steps", 0),
                                      "slow_steps": out["meta_info"]["sfi"]["slow_steps"]})
                         bar.update(1)
+                        save()
         bar.close()
 
         # (b) passkey retrieval, (c) greedy match length, at args.ablation_retention
         lengths = [int(x) for x in args.passkey_contexts.split(",")] if args.passkey_contexts else []
+        pk_methods = args.passkey_methods.split(",")
         rng = random.Random(0)
         cases = [(n, d, rng.randrange(10000, 99999)) for n in lengths for d in (0.1, 0.5, 0.9)]
         for n, depth, key in tqdm(cases, desc="passkey", unit="prompt"):
             prompt = passkey_prompt(tok, n, depth, key)
-            for m in ["dense"] + BASELINES:
+            for m in pk_methods:
                 sfi = {"enabled": False} if m == "dense" else {
                     **budget_for(args.ablation_retention, n), **METHODS[m].options}
                 out = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 10,
@@ -187,7 +196,8 @@ def run(args) -> dict:
                 rows.append({"kind": "passkey", "context": n, "depth": depth, "method": m,
                              "retention": args.ablation_retention,
                              "found": str(key) in out["text"], "text": out["text"]})
-        for n in contexts[:1]:
+                save()
+        for n in contexts[:1] if args.greedy else []:
             src, ids = texts(tok, n, 1)[0]
             dense = engine.generate(input_ids=ids, sampling_params={
                 "temperature": 0, "max_new_tokens": args.steps, "ignore_eos": True,
@@ -207,22 +217,23 @@ def run(args) -> dict:
 
 def summarise(result: dict) -> str:
     rows = result["rows"]
-    lines = ["| method | retention | contexts | top-1 agreement | mean KL (nat) |", "|---|---|---|---|---|"]
+    lines = ["| method | retention | context | texts | scored steps | top-1 agreement | mean KL (nat) |",
+             "|---|---|---|---|---|---|---|"]
     groups: dict[tuple, list] = {}
     for r in rows:
         if r["kind"] == "teacher_forced":
-            groups.setdefault((r["method"], r["retention"]), []).append(r)
-    for (m, ret), rs in sorted(groups.items(), key=lambda x: (x[0][1], x[0][0])):
+            groups.setdefault((r["method"], r["retention"], r["context"]), []).append(r)
+    for (m, ret, ctx), rs in sorted(groups.items(), key=lambda x: (x[0][2], x[0][1], x[0][0])):
         agree = sum(r["top1_agreement"] for r in rs) / len(rs)
         kl = sum(r["mean_kl"] for r in rs) / len(rs)
-        ctx = ",".join(sorted({str(r["context"]) for r in rs}))
-        lines.append(f"| {m} | {ret:.0%} | {ctx} | {agree:.1%} | {kl:.4f} |")
+        steps = sum(r["steps"] for r in rs)
+        lines.append(f"| {m} | {ret:.0%} | {ctx} | {len(rs)} | {steps} | {agree:.1%} | {kl:.4f} |")
     pk = [r for r in rows if r["kind"] == "passkey"]
     if pk:
-        lines += ["", "| method | passkey found |", "|---|---|"]
-        for m in sorted({r["method"] for r in pk}):
-            rs = [r for r in pk if r["method"] == m]
-            lines.append(f"| {m} | {sum(r['found'] for r in rs)}/{len(rs)} |")
+        lines += ["", "| method | context | passkey found (depths 0.1/0.5/0.9) |", "|---|---|---|"]
+        for m, ctx in sorted({(r["method"], r["context"]) for r in pk}, key=lambda x: (x[1], x[0])):
+            rs = [r for r in pk if r["method"] == m and r["context"] == ctx]
+            lines.append(f"| {m} | {ctx} | {sum(r['found'] for r in rs)}/{len(rs)} |")
     gr = [r for r in rows if r["kind"] == "greedy"]
     if gr:
         lines += ["", "| method | greedy tokens equal to dense |", "|---|---|"]
@@ -264,6 +275,12 @@ def add_cli(sub) -> None:
     p.add_argument("--texts", type=int, default=2, help="texts per context (alternating sources)")
     p.add_argument("--steps", type=int, default=32, help="teacher-forced decode steps per text")
     p.add_argument("--passkey-contexts", default="2048,4096")
+    p.add_argument("--passkey-methods", default=",".join(["dense"] + BASELINES),
+                   help="methods run on the passkey prompts ('dense' included)")
+    p.add_argument("--append", action="store_true",
+                   help="add this run's rows to those of an existing --out JSON (one table from several runs)")
+    p.add_argument("--no-greedy", dest="greedy", action="store_false",
+                   help="skip (c), the greedy match length (run at the first context only)")
     p.add_argument("--mem-fraction-static", type=float, default=0.15)
     p.add_argument("--out", default="bench/results/quality")
 
@@ -273,15 +290,21 @@ def main(argv) -> int:
                                      description="Quality of SFI and baselines against dense, through SGLang.")
     add_cli(parser)
     args = parser.parse_args(argv)
-    bad = [m for m in args.methods.split(",") if m not in METHODS]
+    bad = [m for m in args.methods.split(",") + args.passkey_methods.split(",")
+           if m not in METHODS and m != "dense"]
     if bad:
         parser.error(f"--methods: unknown {bad}; choose from {', '.join(METHODS)}")
-    result = run(args)
     out = Path(args.out)
+    result = run(args)
+    if args.append and out.with_suffix(".json").exists():
+        old = json.loads(out.with_suffix(".json").read_text())
+        runs = old.get("runs") or [old["args"]]
+        result = {"args": vars(args), "runs": runs + [vars(args)], "rows": old["rows"] + result["rows"]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     table = summarise(result)
     out.with_suffix(".md").write_text(table)
     plot(result, out.with_suffix(".png"))
+    out.with_suffix(".partial.json").unlink(missing_ok=True)
     print(table)
     return 0

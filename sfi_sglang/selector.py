@@ -173,10 +173,28 @@ def cross_head_exclusivity(score: torch.Tensor, temperature: float, strength: fl
     return torch.where(finite, score + strength * log_rho, score)
 
 
-# ------------------------------------------------------------------ 6. full pipeline
+# ------------------------------------------------------------------ 6. neighbourhood pooling
+def pool_neighbours(score: torch.Tensor, radius: int) -> torch.Tensor:
+    """Each candidate's score becomes the max over candidates within +-radius (SnapKV's
+    max-pooling of its observation-window scores).
+
+    A strong position lifts its neighbours, so the selection keeps short spans around it
+    (the following tokens of a number, a name, a quoted phrase: what copying needs until
+    the next refresh) instead of isolated tokens. score [B, H, N]; -inf entries
+    (non-candidates) stay -inf and, being -inf, lift nothing.
+    """
+    if radius <= 0:
+        return score
+    b, h, n = score.shape
+    m = F.max_pool1d(score.reshape(b * h, 1, n), kernel_size=2 * radius + 1, stride=1,
+                     padding=radius).reshape(b, h, n)
+    return torch.where(score > NEG_INF, m, score)
+
+
+# ------------------------------------------------------------------ 7. full pipeline
 def select_scores(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor,
                   hi: torch.Tensor, n_rows, cfg: SFIConfig) -> torch.Tensor:
-    """Final score s'' [B, H, N] (steps 1-5); -inf off the candidate range."""
+    """Final score [B, H, N] (steps 1-6); -inf off the candidate range."""
     cand = candidate_mask(lo, hi, logits.shape[-1])
     s = evidence(logits, cand, cfg.alpha)
     if cfg.use_prior:
@@ -185,7 +203,7 @@ def select_scores(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tenso
         s = soft_nms(s, cfg.nms_radius, cfg.nms_strength)
     if cfg.use_exclusivity:
         s = cross_head_exclusivity(s, cfg.excl_temperature, cfg.excl_strength)
-    return s
+    return pool_neighbours(s, cfg.pool_radius)
 
 
 def top_k_positions(score: torch.Tensor, cand_mask: torch.Tensor, k: int) -> torch.Tensor:
@@ -286,7 +304,7 @@ def _fused_available() -> bool:
 
 def select_key_fused(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor,
                      hi: torch.Tensor, n_rows, cfg: SFIConfig, norm_tokens=None) -> torch.Tensor:
-    """Steps 1-5 + the top-k key of top_k_positions, fused in Triton (kernels/selector.py):
+    """Steps 1-6 (6 in torch) + the top-k key of top_k_positions, fused in Triton (kernels/selector.py):
     [B, H, N] float32, s'' on the candidates (float32 lowest where s'' is -inf), -inf off
     them. Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1. No host sync."""
     from sfi_sglang.memory import load_kernels
@@ -299,5 +317,13 @@ def select_key_fused(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Te
     else:
         lam_max = torch.full((b,), cfg.lambda_max_single if int(n_rows) == 1 else cfg.lambda_max_multi,
                              dtype=torch.float32, device=logits.device)
-    return load_kernels().fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg,
-                                         norm_tokens=norm_tokens)
+    key = load_kernels().fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg,
+                                        norm_tokens=norm_tokens)
+    if cfg.pool_radius <= 0:
+        return key
+    # step 6 in torch (no host sync either), on the finite scores only, as select_scores
+    # does: candidates whose score is -inf (float32 lowest in the key) neither lift nor
+    # get lifted
+    finite = key > torch.finfo(torch.float32).min
+    pooled = pool_neighbours(torch.where(finite, key, NEG_INF), cfg.pool_radius)
+    return torch.where(finite, pooled, key)

@@ -17,7 +17,9 @@ def test_defaults_match_spec():
     assert (c.lambda_max_single, c.lambda_max_multi) == (0.35, 0.25)
     assert (c.nms_radius, c.nms_strength) == (16, 1.0)
     assert (c.excl_temperature, c.excl_strength) == (2.0, 0.85)
-    assert c.use_prior and c.use_nms and c.use_exclusivity
+    # measured defaults that differ from the spec (README, issue 8): soft-NMS off,
+    # neighbourhood pooling +-3 on
+    assert c.use_prior and not c.use_nms and c.use_exclusivity and c.pool_radius == 3
     assert c.memory_size == 4 + 2048
 
 
@@ -52,6 +54,7 @@ def test_cli_name():
     (dict(excl_temperature=0), "--sfi-excl-temperature"),
     (dict(lambda_max_multi=1.5), "--sfi-lambda-max-multi"),
     (dict(nms_radius=-2), "--sfi-nms-radius"),
+    (dict(pool_radius=-1), "--sfi-pool-radius"),
     (dict(use_nms="yes"), "--sfi-use-nms"),
     (dict(dense_layers=(0, -1)), "--sfi-dense-layers"),
 ])

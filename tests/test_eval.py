@@ -29,3 +29,9 @@ def test_eval_rejects_unknown_method():
     r = subprocess.run([sfi_cli(), "eval", "quality", "--methods", "sfi,h2o"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "h2o" in r.stderr
+
+
+def test_eval_rejects_unknown_passkey_method():
+    r = subprocess.run([sfi_cli(), "eval", "quality", "--passkey-methods", "dense,sfi,h2o"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "h2o" in r.stderr
