@@ -149,12 +149,13 @@ def run(args) -> dict:
         partial.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     try:
         # (a) teacher-forced agreement and KL
-        samples = {n: texts(tok, n + args.steps, args.texts) for n in contexts}  # tokenized once
+        samples = {n: texts(tok, n + args.steps, args.first_text + args.texts)[args.first_text:]
+                   for n in contexts}  # tokenized once
         runs_per_text = sum(1 for r in retentions for m in methods
                             if r == args.ablation_retention or m in BASELINES)
         bar = tqdm(total=runs_per_text * args.texts * len(contexts), desc="teacher-forced", unit="run")
         for n in contexts:
-            for t, (src, ids) in enumerate(samples[n]):
+            for t, (src, ids) in enumerate(samples[n], start=args.first_text):
                 prompt, cont = ids[:n], ids[n:]
                 key = f"{n}-{t}"
                 common = {"temperature": 0, "max_new_tokens": len(cont), "ignore_eos": True}
@@ -172,7 +173,7 @@ def run(args) -> dict:
                             custom_logit_processor=force)
                         ev = out["meta_info"]["sfi"].get("eval") or {}
                         steps = max(ev.get("steps", 0), 1)
-                        rows.append({"kind": "teacher_forced", "context": n, "source": src,
+                        rows.append({"kind": "teacher_forced", "context": n, "source": src, "text": t,
                                      "retention": r, "method": m, **opts,
                                      "top1_agreement": ev.get("agree", 0) / steps,
                                      "mean_kl": ev.get("kl", 0.0) / steps, "steps": ev.get("steps", 0),
@@ -273,6 +274,8 @@ def add_cli(sub) -> None:
     p.add_argument("--ablation-retention", type=float, default=0.15)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--texts", type=int, default=2, help="texts per context (alternating sources)")
+    p.add_argument("--first-text", type=int, default=0,
+                   help="skip the first N texts of each context (to --append other texts to a run)")
     p.add_argument("--steps", type=int, default=32, help="teacher-forced decode steps per text")
     p.add_argument("--passkey-contexts", default="2048,4096")
     p.add_argument("--passkey-methods", default=",".join(["dense"] + BASELINES),
