@@ -273,7 +273,8 @@ class SFIAttnBackend:
 
     def _plan_decode(self, forward_batch) -> "DecodePlan":
         slots = forward_batch.req_pool_indices
-        reqs = [self.requests.get(s) for s in slots.tolist()]
+        slots_cpu = slots.tolist()
+        reqs = [self.requests.get(s) for s in slots_cpu]
         # a request that needs a selection and has none (e.g. its prompt was all cached)
         # makes one now, at a slow step
         have = torch.tensor([r is None or not r.enabled or r.has_selection or not r.refreshes
@@ -293,7 +294,7 @@ class SFIAttnBackend:
             else:
                 kinds.append("baseline" if r.baseline else "fast")
         plan = DecodePlan(kinds, reqs, slots, forward_batch.seq_lens, forward_batch.seq_lens.tolist(),
-                          slots.tolist(), self.req_to_token_pool.req_to_token.shape[1])
+                          slots_cpu, self.req_to_token_pool.req_to_token.shape[1])
         dev = slots.device
         rows = lambda kind: slots[torch.tensor([k in kind for k in kinds], device=dev)]
         self.memory.count_steps(rows(("fast", "baseline")), rows(("slow",)))
@@ -503,7 +504,6 @@ class SlowGroup:
     cfg: SFIConfig
     rows: torch.Tensor  # batch rows
     slots: torch.Tensor  # their request-pool slots
-    slots_cpu: list[int]
     n_max: int  # the score buffer's length: max context, rounded up to SCORE_BUCKET
 
 
@@ -547,7 +547,6 @@ class DecodePlan:
                 n_max = max(self.seq_lens_cpu[i] for i in rows)
                 r = as_rows(rows)
                 slow.append(SlowGroup(cfg=cfg, rows=r, slots=self.slots[r],
-                                      slots_cpu=[self.slots_cpu[i] for i in rows],
                                       n_max=min(-(-n_max // SCORE_BUCKET) * SCORE_BUCKET, self.max_context)))
             dense = idx("dense")
             self._layers[kinds] = LayerRows(

@@ -320,10 +320,6 @@ class Runner:
         self._dense_g = None
         self._step_graphs = {}  # SFI step graphs: "fast", or the slow steps' score lengths
 
-    def _sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
     def _timer(self):
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
