@@ -105,3 +105,18 @@ def ref_pack(k_cache, v_cache, req_to_token, req_pool_indices, positions, packed
 def ref_store_key_norms(k, cache_loc, norms_pool, **_ignored):
     norms_pool[cache_loc.long()] = torch.linalg.vector_norm(k.double(), dim=-1).to(norms_pool.dtype)
     return norms_pool
+
+
+def ref_build_pages(req_to_token, req_pool_indices, seq_lens, win_start, n_sinks, sel_pos,
+                    sel_count, indptr, pages):
+    """Reference of flashinfer_fast.build_pages (page lists of rows folded by KV head)."""
+    H = sel_pos.shape[1]
+    for b, pool in enumerate(req_pool_indices.tolist()):
+        ns, c = int(n_sinks[pool]), int(sel_count[pool])
+        ws, n = int(win_start[b]), int(seq_lens[b])
+        for h in range(H):
+            pos = torch.cat([torch.arange(ns, device=pages.device), sel_pos[pool, h, :c].long(),
+                             torch.arange(ws, max(n, ws), device=pages.device)])
+            base = int(indptr[b * H + h])
+            pages[base: base + pos.numel()] = (req_to_token[pool, pos].long() * H + h).to(pages.dtype)
+    return pages

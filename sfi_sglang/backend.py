@@ -91,9 +91,10 @@ def request_config(server: SFIConfig, custom_params) -> tuple[bool, SFIConfig]:
     if cfg.sinks != server.sinks:
         raise SFIConfigError(f'custom_params["sfi"]["sinks"] ({cfg.sinks}) cannot differ from the '
                              f"server's --sfi-sinks ({server.sinks})")
-    if overrides.get("boundaries", server.boundaries) != server.boundaries:
-        raise SFIConfigError('custom_params["sfi"]["boundaries"] cannot differ from the server\'s '
-                             "--sfi-boundaries")
+    for name in ("boundaries", "fast_path"):  # server-wide: one table, one kernel
+        if overrides.get(name, getattr(server, name)) != getattr(server, name):
+            raise SFIConfigError(f'custom_params["sfi"]["{name}"] cannot differ from the server\'s '
+                                 f"--sfi-{name.replace('_', '-')}")
     return enabled, cfg
 
 
@@ -332,7 +333,11 @@ class SFIAttnBackend:
         r2t = self.req_to_token_pool.req_to_token
         rpi, seq_lens = plan.slots, plan.seq_lens
         if lr.fast is not None:
-            o[lr.fast] = mem.attend_fast(lid, q[lr.fast], kc, vc, r2t, rpi[lr.fast], seq_lens[lr.fast], scale)
+            if lr.fast_plan is UNPLANNED:  # first layer of this row pattern in the step
+                lr.fast_plan = mem.plan_fast(lr.pattern, rpi[lr.fast], seq_lens[lr.fast],
+                                             layer.tp_q_head_num // layer.tp_k_head_num, scale)
+            o[lr.fast] = mem.attend_fast(lid, q[lr.fast], kc, vc, r2t, rpi[lr.fast], seq_lens[lr.fast],
+                                         scale, fast_plan=lr.fast_plan)
         for g in lr.slow:
             sl = seq_lens[g.rows]
             o[g.rows], scores = mem.attend_slow(lid, q[g.rows], kc, vc, r2t, g.slots, sl, scale,
@@ -497,6 +502,9 @@ class SFIAttnBackend:
 SCORE_BUCKET = 512
 
 
+UNPLANNED = object()
+
+
 @dataclass
 class SlowGroup:
     """Slow-step rows of one config (made once per forward, so layers do no host work)."""
@@ -517,6 +525,8 @@ class LayerRows:
     dense_n_max: int
     baseline: list[int]
     all_dense: bool
+    pattern: int = 0  # which of the step's row patterns this is
+    fast_plan: object = UNPLANNED  # SparseMemory.plan_fast's result, made at the first layer
 
 
 @dataclass
@@ -552,7 +562,8 @@ class DecodePlan:
             self._layers[kinds] = LayerRows(
                 fast=as_rows(idx("fast")), slow=slow, dense=as_rows(dense),
                 dense_n_max=max([self.seq_lens_cpu[i] for i in dense], default=0),
-                baseline=idx("baseline"), all_dense=all(k == "dense" for k in kinds))
+                baseline=idx("baseline"), all_dense=all(k == "dense" for k in kinds),
+                pattern=len(self._layers))
         return self._layers[kinds]
 
 

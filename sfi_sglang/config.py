@@ -44,6 +44,9 @@ def parse_layers(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+FAST_PATHS = ("triton", "flashinfer")
+
+
 @dataclass(frozen=True)
 class SFIConfig:
     # sparse memory shape (per KV head): S sinks + W window + K selected
@@ -89,6 +92,11 @@ class SFIConfig:
     use_prior: bool = True
     use_nms: bool = False                # the spec's soft-NMS: off by default (README, issue 8)
     use_exclusivity: bool = True
+    # fast-step kernel on CUDA (server-wide): "triton" (kernels.fast_decode over packed
+    # sinks + selected and the window in place) or "flashinfer" (FlashInfer's paged decode,
+    # page size 1, KV heads folded into the batch; needs flashinfer). Default by measurement:
+    # bench/NOTES.md section 8. The CPU always runs the torch reference.
+    fast_path: str = "triton"
 
     def __post_init__(self):
         # Normalise convenient input forms (CLI strings, JSON lists, ints for floats).
@@ -165,6 +173,8 @@ class SFIConfig:
             v = getattr(self, name)
             if not is_num(v) or not 0 <= v <= 1:
                 bad(name, "a number in [0, 1]")
+        if self.fast_path not in FAST_PATHS:
+            bad("fast_path", "'triton' or 'flashinfer'")
         for name in ("use_prior", "use_nms", "use_exclusivity"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "true or false")

@@ -17,6 +17,10 @@ Two implementations of the same semantics:
       then selected), and `attend_fast` is one kernels.fast_decode launch over the packed
       prefix + the window read in place. No host sync on the fast path (CUDA-graph safe).
 
+With cfg.fast_path == "flashinfer" (CUDA), fast steps run through FlashInfer's paged decode
+instead (kernels.flashinfer_fast: page size 1, KV heads folded into the batch, every token
+read in place, so nothing is packed): `plan_fast` once per step, `attend_fast` per layer.
+
 Slow steps: `attend_slow` = dense attention + raw logits (the Selector's evidence) through
 kernels.dense_decode_with_scores (packed) or kernels.reference (CPU).
 """
@@ -75,7 +79,7 @@ class SparseMemory:
                                     < S, so short contexts grow into the sinks correctly
       fast_ws   [max_slots] int64   the packed path's window start, set by `store`
       counts    [max_slots, 2] int64  fast and slow decode steps of the slot's request
-    packed=True adds
+    the Triton fast path (fast_path "triton") adds
       packed_k, packed_v  list over sparse layers of [max_slots, H_kv, S+K, D] (`dtype`)
       packed_len [max_slots] int32  = n_sinks + sel_count
     Layer ids are model layer ids; `sparse_layer_ids` maps them to rows of sel_pos.
@@ -96,7 +100,11 @@ class SparseMemory:
         self.window = int(cfg.window)
         self.budget = int(cfg.budget)
         self.dtype = dtype
+        # packed: the kernel path (CUDA, or CPU under TRITON_INTERPRET=1); the packed K/V
+        # buffers exist only for the Triton fast path
         self.packed = (self.device.type == "cuda") if packed is None else bool(packed)
+        self.fast_path = cfg.fast_path if self.packed else "reference"
+        self._fi_plans: dict = {}  # flashinfer fast path: one planned wrapper per row pattern
         L, M, H, K = len(self.sparse_layer_ids), self.max_slots, self.num_kv_heads, self.budget
         dev = self.device
         self.sel_pos = torch.full((L, M, H, K), -1, dtype=torch.int32, device=dev)
@@ -109,7 +117,7 @@ class SparseMemory:
         self.packed_k: list[torch.Tensor] = []
         self.packed_v: list[torch.Tensor] = []
         self.packed_len = None
-        if self.packed:
+        if self.fast_path == "triton":
             P = self.sinks + K
             self.packed_k = [torch.zeros(M, H, P, self.head_dim, dtype=dtype, device=dev) for _ in range(L)]
             self.packed_v = [torch.zeros(M, H, P, self.head_dim, dtype=dtype, device=dev) for _ in range(L)]
@@ -209,7 +217,7 @@ class SparseMemory:
                              max=self.sinks).to(torch.int32).expand(b)
         self.n_sinks[s] = ns
         self.fast_ws[s] = self._fast_window_start(s)
-        if not self.packed:
+        if self.fast_path != "triton":
             return
         # packed rows: sinks [0, n_sinks) then the selected positions (valid prefix, -1 after)
         H = self.num_kv_heads
@@ -228,13 +236,34 @@ class SparseMemory:
         ns = self.n_sinks[req_pool_indices].to(torch.int64)
         return torch.where(ns < self.sinks, ns, ws)
 
+    def plan_fast(self, key, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, group: int,
+                  sm_scale: float):
+        """Once per decode step and set of fast rows (`key` tells sets apart within a step):
+        the FlashInfer path's plan (host sync), to pass to attend_fast; None on other paths."""
+        if self.fast_path != "flashinfer":
+            return None
+        from sfi_sglang.kernels import flashinfer_fast as fif
+
+        fi = self._fi_plans.get(key)
+        if fi is None:
+            fi = self._fi_plans[key] = fif.FlashInferFastDecode(
+                self.num_kv_heads, group, self.head_dim, self.device, self.dtype)
+        rpi = req_pool_indices.to(self.device).long()
+        fi.plan(fif.page_counts(rpi, seq_lens, self.fast_ws[rpi], self.n_sinks, self.sel_count),
+                sm_scale)
+        return fi
+
     def attend_fast(self, layer_id: int, q: torch.Tensor, k_cache, v_cache, req_to_token,
                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
-                    out: Optional[torch.Tensor] = None, **kernel_kw) -> torch.Tensor:
+                    out: Optional[torch.Tensor] = None, fast_plan=None, **kernel_kw) -> torch.Tensor:
         """Fast-step attention q [b, H_q, D] -> [b, H_q, D] over sinks + selected + window.
-        Packed: one kernels.fast_decode launch (no host sync); else the torch reference."""
+        Triton: one kernels.fast_decode launch (no host sync); FlashInfer: `fast_plan` from
+        plan_fast for these rows; else the torch reference."""
         li = self.layer_index[layer_id]
         rpi = req_pool_indices.to(self.device).long()
+        if self.fast_path == "flashinfer":
+            return fast_plan.run(q, k_cache, v_cache, req_to_token, rpi, seq_lens, self.fast_ws[rpi],
+                                 self.n_sinks, self.sel_pos[li], self.sel_count, out=out)
         if self.packed:
             ws = self.fast_ws[rpi]
             return self._k.fast_decode(q, k_cache, v_cache, req_to_token, rpi, seq_lens, ws,

@@ -143,6 +143,7 @@ def test_per_request_options_apply(engine, prompts):
     ({"budget": -1}, "budget"),
     ({"budget": 100000}, "exceeds"),
     ({"sinks": 8}, "cannot differ"),
+    ({"fast_path": "flashinfer"}, "cannot differ from the server.s --sfi-fast-path"),
     ({"no_such_option": 1}, "no_such_option"),
     ({"enabled": "yes"}, "enabled"),
     ("fast please", "must be an object"),

@@ -305,3 +305,51 @@ def test_kernel_fused_selector_gathers_pool_norms():
     assert torch.equal(key, key_g)
     pos = S.select(logits, pool, lo, hi, 32, 1, cfg, fused=False, norm_tokens=tokens)
     assert torch.equal(pos, S.select(logits, norms, lo, hi, 32, 1, cfg, fused=False))
+
+
+@kernel_test
+@pytest.mark.parametrize("G", [1, 4])
+def test_flashinfer_page_lists_are_the_fast_step(G):
+    """The FlashInfer fast path's page lists (kernels.flashinfer_fast.build_pages, KV heads
+    folded into the batch, page = KV slot * H_kv + head): each folded row lists exactly the
+    fast step's positions (sinks, selected, window; also a row whose context is shorter
+    than the sinks), the reference builder agrees, nothing is packed, and attention over
+    the listed pages equals the reference fast step."""
+    from sfi_sglang.kernels import flashinfer_fast as fif
+
+    Hkv, D = 3, 16
+    cfg = CFG.replace(fast_path="flashinfer")
+    n_sel, t = [60, 52, 3, 40], [66, 57, 6, 40]
+    st, gen = make_pool(t, Hkv, G, D, seed=None)
+    ref_mem = SparseMemory(2, [1], 8, Hkv, D, CFG, DEV, torch.float32, packed=False)
+    mem = SparseMemory(2, [1], 8, Hkv, D, cfg, DEV, torch.float32, packed=True)
+    assert mem.fast_path == "flashinfer" and not mem.packed_k and mem.packed_len is None
+    assert mem.bytes() < SparseMemory(2, [1], 8, Hkv, D, CFG, DEV, torch.float32, packed=True).bytes()
+    pos, cnt, ws = selection(cfg, n_sel, Hkv, gen, k=9)
+    for m in (ref_mem, mem):
+        m.reset(st["rpi"])
+        m.store(1, st["rpi"], pos, cnt, ws, st["k"], st["v"], st["rtt"],
+                seq_lens=torch.tensor(n_sel, device=DEV))
+    rpi, seq_lens = st["rpi"], st["seq_lens"]
+    fws = mem.fast_ws[rpi]
+    counts = fif.page_counts(rpi, seq_lens, fws, mem.n_sinks, mem.sel_count)
+    indptr = torch.zeros(len(t) * Hkv + 1, dtype=torch.int32, device=DEV)
+    indptr[1:] = torch.cumsum(counts.repeat_interleave(Hkv), 0)
+    pages = torch.full((int(indptr[-1]),), -7, dtype=torch.int32, device=DEV)
+    fif.build_pages(st["rtt"], rpi, seq_lens, fws, mem.n_sinks, mem.sel_pos[0], mem.sel_count,
+                    indptr, pages, int(counts.max()))
+    ref_pages = REF.ref_build_pages(st["rtt"], rpi, seq_lens, fws, mem.n_sinks, mem.sel_pos[0],
+                                    mem.sel_count, indptr, torch.full_like(pages, -7))
+    assert torch.equal(pages, ref_pages)
+    sm = D ** -0.5
+    ref = ref_mem.attend_fast(1, st["q"], st["k"], st["v"], st["rtt"], rpi, seq_lens, sm)
+    for b, slot in enumerate(rpi.tolist()):
+        want = ref_mem.fast_positions(1, slot, t[b])
+        for h in range(Hkv):
+            row = pages[indptr[b * Hkv + h]: indptr[b * Hkv + h + 1]].long()
+            assert torch.equal(row % Hkv, torch.full_like(row, h))
+            assert torch.equal(row // Hkv, st["rtt"][slot, want[h]].long())
+            k, v = st["k"].reshape(-1, D)[row].double(), st["v"].reshape(-1, D)[row].double()
+            qh = st["q"][b, h * G:(h + 1) * G].double()
+            o = torch.softmax(qh @ k.T * sm, -1) @ v
+            assert rel_err(o, ref[b, h * G:(h + 1) * G]) < 1e-5

@@ -1,0 +1,233 @@
+"""FlashInfer fast path (kernels/flashinfer_fast.py) vs the Triton fast kernel, one H200.
+
+Issue 4 item 5; predictions and outcomes in bench/NOTES.md section 8. Needs FlashInfer
+importable (bench/flashinfer_h200.sh unpacks a trimmed copy and runs this):
+    python3 bench/flashinfer_h200.py --out $OUT
+
+Both paths run through SparseMemory (sfi_sglang/memory.py), the backend's code:
+  triton      store packs sinks + selected; attend_fast = one kernels.fast_decode launch
+  flashinfer  store packs nothing; plan_fast once per step (host); attend_fast = one Triton
+              launch writing the page lists + one FlashInfer BatchDecode launch (page size 1,
+              KV heads folded into the batch)
+  1. Correctness vs float64 (kernels.reference.ref_fast_decode over the same selection):
+     ragged small shapes (G = 1, 4, 8) and Qwen3-4B shapes at 32K B=8.
+  2. Per-layer times at N in {8K, 32K, 128K} x B in {1, 8} (budget 4 + 2048 + 256):
+     dense SDPA, triton fast, flashinfer fast (pages + run), flashinfer run alone, plan
+     (host wall clock), pack (what the flashinfer path saves at each slow step).
+Writes flashinfer_h200.json, prints a table last.
+"""
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import kernels_h200 as KH  # noqa: E402  (kernels, timing helpers, RESULTS)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+K, DEV, log, timed, check = KH.K, KH.DEV, KH.log, KH.timed, KH.check
+RESULTS = KH.RESULTS
+MEM = KH.load_memory()
+_, CFG = KH.load_selector()
+
+
+def memories(S, W, Kc, M, Hkv, D, dtype, use_tc=False):
+    base = CFG.SFIConfig(sinks=S, window=W, budget=Kc, dense_layers=())
+    tri = MEM.SparseMemory(1, [0], M, Hkv, D, base, DEV, dtype, packed=True)
+    fi = MEM.SparseMemory(1, [0], M, Hkv, D, base.replace(fast_path="flashinfer"), DEV, dtype, packed=True)
+    return tri, fi
+
+
+def store_random(mems, rpi, seq_lens, S, W, Kc, kc, vc, r2t, gen=None):
+    """The same random selection (Kc sorted positions in [S, n - W) per row and head) in
+    every memory."""
+    H = kc.shape[1]
+    B = rpi.numel()
+    n = seq_lens.tolist()
+    pos = torch.full((B, H, Kc), -1, dtype=torch.int32, device=DEV)
+    cnt = torch.zeros(B, dtype=torch.int32, device=DEV)
+    for b in range(B):
+        hi = n[b] - W
+        c = max(0, min(Kc, hi - S))
+        if c:
+            sel = torch.rand(H, hi - S, device=DEV).topk(c, -1).indices.sort(-1).values + S
+            pos[b, :, :c] = sel.int()
+        cnt[b] = c
+    ws = (seq_lens.long() - W).clamp_min(S)
+    for m in mems:
+        m.reset(rpi)
+        m.store(0, rpi, pos, cnt, ws, kc, vc, r2t, seq_lens=seq_lens)
+
+
+def correctness():
+    ok = True
+    ref = KH.K.ref_fast_decode
+    for G, D, dtype, lens, S, W, Kc in [(1, 128, torch.bfloat16, [300, 1000, 77], 4, 32, 48),
+                                        (4, 128, torch.bfloat16, [513, 90, 2000, 36], 4, 64, 100),
+                                        (8, 128, torch.float16, [700, 260], 4, 32, 64),
+                                        (4, 128, torch.bfloat16, [32768] * 8, 4, 256, 2048)]:
+        Hkv = 8 if lens[0] == 32768 else 2
+        B, M = len(lens), len(lens) + 3
+        ntok = sum(lens) + 5
+        kc = torch.randn(ntok, Hkv, D, device=DEV, dtype=dtype)
+        vc = torch.randn(ntok, Hkv, D, device=DEV, dtype=dtype)
+        r2t = torch.zeros(M, max(lens) + 4, dtype=torch.int32, device=DEV)
+        rpi = torch.randperm(M, device=DEV)[:B]
+        perm = torch.randperm(ntok, device=DEV).int()
+        off = 0
+        for b, n in enumerate(lens):
+            r2t[rpi[b], :n] = perm[off:off + n]
+            off += n
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        tri, fi = memories(S, W, Kc, M, Hkv, D, dtype)
+        store_random([tri, fi], rpi, seq_lens, S, W, Kc, kc, vc, r2t)
+        q = torch.randn(B, Hkv * G, D, device=DEV, dtype=dtype)
+        sm = D ** -0.5
+        want = ref(q, kc, vc, r2t, rpi, seq_lens, tri.fast_ws[rpi], tri.packed_k[0], tri.packed_v[0],
+                   tri.packed_len, sm)
+        plan = fi.plan_fast(0, rpi, seq_lens, G, sm)
+        out = torch.full_like(q, float("nan"))
+        fi.attend_fast(0, q, kc, vc, r2t, rpi, seq_lens, sm, out=out, fast_plan=plan)
+        o_t = tri.attend_fast(0, q, kc, vc, r2t, rpi, seq_lens, sm)
+        tag = f"G{G} D{D} {str(dtype)[6:]} lens{lens[:4]}"
+        ok &= check(f"flashinfer_fast {tag}", KH.rel_err(out, want), 2e-2)
+        ok &= check(f"triton_fast {tag}", KH.rel_err(o_t, want), 2e-2)
+        del kc, vc
+    return ok
+
+
+def host_ms(fn, reps=10):
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ts)
+
+
+def run_config(N, B, l2, use_tc):
+    Hkv, G, D, S, W, Kc = (KH.DIMS[k] for k in ("Hkv", "G", "D", "S", "W", "Kc"))
+    Hq, P, elt = Hkv * G, S + Kc, 2
+    cfg = {"N": N, "B": B}
+    log(f"== N={N} B={B}")
+    dense_bytes = B * N * Hkv * D * 2 * elt
+    fast_bytes = B * Hkv * (P + W) * D * 2 * elt + 2 * B * Hq * D * elt
+    n_sets = max(1, min(16, math.ceil(4 * l2 / fast_bytes)))
+    n_dense = max(1, min(8, math.ceil(4 * l2 / dense_bytes)))
+    st = KH.build_state(B, Hkv, G, D, N, torch.bfloat16, max(n_sets, n_dense), 1, W, seed=N + B)
+    kc, vc, r2t = st["k_cache"], st["v_cache"], st["req_to_token"]
+    del st["packed_k"], st["packed_v"]
+    sets = st["sets"]
+    sm = D ** -0.5
+    res = {}
+    sd = []
+    for s in sets[:n_dense]:
+        idx = r2t[s["req_pool_indices"]].long()
+        sd.append((s["q"][:, :, None], kc[idx].permute(0, 2, 1, 3).contiguous(),
+                   vc[idx].permute(0, 2, 1, 3).contiguous()))
+    res["sdpa"] = timed("dense_sdpa", cfg, [
+        (lambda a=a: F.scaled_dot_product_attention(a[0], a[1], a[2], enable_gqa=True, scale=sm))
+        for a in sd], dense_bytes)
+    del sd
+    torch.cuda.empty_cache()
+    sets = sets[:n_sets]
+    M = len(st["sets"]) * B
+    tri, fi = memories(S, W, Kc, M, Hkv, D, torch.bfloat16)
+    for s in sets:
+        store_random([tri, fi], s["req_pool_indices"], s["seq_lens"], S, W, Kc, kc, vc, r2t)
+    res["fast"] = timed("fast_triton", cfg, [
+        (lambda s=s: tri.attend_fast(0, s["q"], kc, vc, r2t, s["req_pool_indices"], s["seq_lens"], sm,
+                                     out=s["out"])) for s in sets], fast_bytes)
+    plans = [fi.plan_fast(i, s["req_pool_indices"], s["seq_lens"], G, sm) for i, s in enumerate(sets)]
+    res["fi"] = timed("fast_flashinfer", cfg, [
+        (lambda s=s, p=p: fi.attend_fast(0, s["q"], kc, vc, r2t, s["req_pool_indices"], s["seq_lens"], sm,
+                                         out=s["out"], fast_plan=p)) for s, p in zip(sets, plans)], fast_bytes)
+    kv = (kc.view(-1, 1, 1, D), vc.view(-1, 1, 1, D))
+    res["fi_run"] = timed("flashinfer_run_only", cfg, [
+        (lambda s=s, p=p: p.wrapper.run(s["q"].view(B * Hkv, G, D), kv, out=s["out"].view(B * Hkv, G, D)))
+        for s, p in zip(sets, plans)], fast_bytes)
+    s0 = sets[0]
+    res["plan_host_ms"] = host_ms(lambda: fi.plan_fast(0, s0["req_pool_indices"], s0["seq_lens"], G, sm))
+    log(f"  plan (host, per step) {res['plan_host_ms']:.3f} ms")
+    if use_tc:
+        from sfi_sglang.kernels.flashinfer_fast import FlashInferFastDecode, page_counts
+
+        tc = FlashInferFastDecode(Hkv, G, D, DEV, torch.bfloat16, use_tensor_cores=True)
+        rpi = s0["req_pool_indices"]
+        tc.plan(page_counts(rpi, s0["seq_lens"], fi.fast_ws[rpi], fi.n_sinks, fi.sel_count), sm)
+        res["fi_tc"] = timed("fast_flashinfer_tensor_cores", cfg, [
+            lambda: tc.run(s0["q"], kc, vc, r2t, rpi, s0["seq_lens"], fi.fast_ws[rpi], fi.n_sinks,
+                           fi.sel_pos[0], fi.sel_count, out=s0["out"])], fast_bytes)
+    pos = [KH.random_positions(B, Hkv, N, S, Kc, W) for _ in sets]
+    res["pack"] = timed("pack_triton", cfg, [
+        (lambda s=s, p=p: K.pack(kc, vc, r2t, s["req_pool_indices"], p, tri.packed_k[0], tri.packed_v[0]))
+        for s, p in zip(sets, pos)], 2 * B * Hkv * P * D * 2 * elt)
+    ms = lambda r: r.get("ms") if isinstance(r, dict) else None
+    do = lambda r: r.get("do_bench_ms") if isinstance(r, dict) else None
+    summ = {"N": N, "B": B, "sdpa_ms": ms(res["sdpa"]), "triton_ms": ms(res["fast"]),
+            "triton_do_bench_ms": do(res["fast"]), "flashinfer_ms": ms(res["fi"]),
+            "flashinfer_do_bench_ms": do(res["fi"]), "flashinfer_run_ms": ms(res["fi_run"]),
+            "flashinfer_tc_ms": ms(res.get("fi_tc", {})), "plan_host_ms": res["plan_host_ms"],
+            "pack_ms": ms(res["pack"]), "fast_bytes": fast_bytes}
+    RESULTS.setdefault("summary", []).append(summ)
+    del tri, fi, plans, st, kc, vc
+    torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--tensor-cores", action="store_true", help="also time use_tensor_cores=True")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    import flashinfer
+
+    props = torch.cuda.get_device_properties(0)
+    l2 = getattr(props, "L2_cache_size", 60 * 2**20)
+    RESULTS["env"] = {"device": props.name, "torch": torch.__version__,
+                      "flashinfer": flashinfer.__version__}
+    log(json.dumps(RESULTS["env"]))
+    path = os.path.join(args.out, "flashinfer_h200.json")
+    try:
+        RESULTS["all_checks_ok"] = bool(correctness())
+    except Exception:
+        RESULTS["errors"].append("correctness: " + traceback.format_exc()[-2000:])
+        log(traceback.format_exc()[-2000:])
+        RESULTS["all_checks_ok"] = False
+    log(f"checks ok: {RESULTS['all_checks_ok']} ({time.time() - t0:.0f}s, includes FlashInfer's JIT build)")
+    for N, B in [(8192, 1), (8192, 8), (32768, 1), (32768, 8), (131072, 1), (131072, 8)]:
+        try:
+            run_config(N, B, l2, args.tensor_cores)
+        except Exception:
+            RESULTS["errors"].append(f"config {N} {B}: {traceback.format_exc()[-1500:]}")
+            log(traceback.format_exc()[-1500:])
+        with open(path, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+    RESULTS["wall_s"] = time.time() - t0
+    with open(path, "w") as f:
+        json.dump(RESULTS, f, indent=1)
+    for e in RESULTS["errors"]:
+        log("ERROR:", e[-600:])
+    f = lambda v, m=1e3: f"{v * m:8.1f}" if v is not None else f"{'-':>8}"
+    log(f"{'N':>7} {'B':>2} {'sdpa_us':>8} {'tri_us':>8} {'triDo':>8} {'fi_us':>8} {'fiDo':>8} {'fiRun':>8} {'fiTC':>8} {'plan_us':>8} {'pack_us':>8} {'fi/tri':>7}")
+    for s in RESULTS.get("summary", []):
+        r = (s["flashinfer_ms"] / s["triton_ms"]) if s["flashinfer_ms"] and s["triton_ms"] else None
+        log(f"{s['N']:>7} {s['B']:>2} {f(s['sdpa_ms'])} {f(s['triton_ms'])} {f(s['triton_do_bench_ms'])} {f(s['flashinfer_ms'])}"
+            f" {f(s['flashinfer_do_bench_ms'])} {f(s['flashinfer_run_ms'])} {f(s['flashinfer_tc_ms'])} {f(s['plan_host_ms'])}"
+            f" {f(s['pack_ms'])} {f(r, 1)}")
+    log(f"checks ok={RESULTS['all_checks_ok']} wall {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
