@@ -95,7 +95,7 @@ class SFIConfig:
     # fast-step kernel on CUDA (server-wide): "triton" (kernels.fast_decode over packed
     # sinks + selected and the window in place) or "flashinfer" (FlashInfer's paged decode,
     # page size 1, KV heads folded into the batch; needs flashinfer). Default by measurement:
-    # bench/NOTES.md section 8. The CPU always runs the torch reference.
+    # bench/NOTES.md section 4. The CPU always runs the torch reference.
     fast_path: str = "triton"
 
     def __post_init__(self):
