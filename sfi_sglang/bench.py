@@ -170,12 +170,16 @@ def _rms(x, w, eps=1e-6):
 
 
 class DummyModel:
-    """A Qwen3-shaped decoder (RMSNorm, QKV, q/k norm, RoPE, attention through a backend,
-    O, SwiGLU MLP, LM head, greedy) with random weights."""
+    """A Qwen3- or Llama-shaped decoder (RMSNorm, QKV, optional q/k norm, RoPE, attention
+    through a backend, O, SwiGLU MLP, LM head, greedy) with random weights, or real ones
+    (DummyModel.from_hf: a Hugging Face Llama checkpoint, e.g. SmolLM2).
 
-    def __init__(self, shape: dict, dtype, device, seed: int = 0):
+    Shape keys: layers, hidden, heads, kv_heads, head_dim, inter, vocab; optional qk_norm
+    (default True), rope_theta (1e6), eps (RMSNorm, 1e-6), tied (LM head = embedding, False)."""
+
+    def __init__(self, shape: dict, dtype, device, seed: int = 0, weights: Optional[dict] = None):
         g = torch.Generator(device=device).manual_seed(seed)
-        s = SimpleNamespace(**shape)
+        s = SimpleNamespace(**{"qk_norm": True, "rope_theta": 1e6, "eps": 1e-6, "tied": False, **shape})
         self.s = s
         H, Hk, D, E, I = s.heads, s.kv_heads, s.head_dim, s.hidden, s.inter
 
@@ -184,52 +188,132 @@ class DummyModel:
             return torch.empty(*shape_, dtype=torch.float32, device=device).normal_(
                 0, std, generator=g).to(dtype)
 
-        self.embed = w(s.vocab, E, std=1.0)
-        self.lm_head = w(s.vocab, E)
-        self.norm = torch.ones(E, dtype=dtype, device=device)
+        if weights is not None:  # HF names -> tensors (see from_hf)
+            def hf(name):
+                return weights[name].to(device=device, dtype=dtype).contiguous()
+        self.embed = hf("model.embed_tokens.weight") if weights is not None else w(s.vocab, E, std=1.0)
+        if s.tied:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = hf("lm_head.weight") if weights is not None else w(s.vocab, E)
+        self.norm = hf("model.norm.weight") if weights is not None else torch.ones(E, dtype=dtype, device=device)
         self.layers = []
         for i in range(s.layers):
+            attn = SimpleNamespace(layer_id=i, tp_q_head_num=H, tp_k_head_num=Hk, qk_head_dim=D,
+                                   v_head_dim=D, scaling=D ** -0.5)
+            if weights is not None:
+                p = f"model.layers.{i}."
+                a, m = p + "self_attn.", p + "mlp."
+                self.layers.append(SimpleNamespace(
+                    qkv=torch.cat([hf(a + "q_proj.weight"), hf(a + "k_proj.weight"), hf(a + "v_proj.weight")]),
+                    o=hf(a + "o_proj.weight"),
+                    gate_up=torch.cat([hf(m + "gate_proj.weight"), hf(m + "up_proj.weight")]),
+                    down=hf(m + "down_proj.weight"),
+                    ln1=hf(p + "input_layernorm.weight"), ln2=hf(p + "post_attention_layernorm.weight"),
+                    qn=hf(a + "q_norm.weight") if s.qk_norm else None,
+                    kn=hf(a + "k_norm.weight") if s.qk_norm else None, attn=attn))
+                continue
             self.layers.append(SimpleNamespace(
                 qkv=w((H + 2 * Hk) * D, E), o=w(E, H * D), gate_up=w(2 * I, E), down=w(E, I),
                 ln1=torch.ones(E, dtype=dtype, device=device), ln2=torch.ones(E, dtype=dtype, device=device),
                 qn=torch.ones(D, dtype=dtype, device=device), kn=torch.ones(D, dtype=dtype, device=device),
-                attn=SimpleNamespace(layer_id=i, tp_q_head_num=H, tp_k_head_num=Hk, qk_head_dim=D,
-                                     v_head_dim=D, scaling=D ** -0.5)))
-        inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+                attn=attn))
+        inv = 1.0 / (s.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
         self.inv_freq = inv.to(device)
 
+    @staticmethod
+    def hf_shape(config: dict) -> dict:
+        """The shape dict of a Hugging Face Llama/Qwen3 config.json (plain default RoPE only)."""
+        rope = config.get("rope_parameters") or {}
+        scaling = config.get("rope_scaling") or {}
+        kind = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        if kind != "default":
+            raise ValueError(f"unsupported RoPE type {kind!r}")
+        heads = config["num_attention_heads"]
+        return dict(layers=config["num_hidden_layers"], hidden=config["hidden_size"], heads=heads,
+                    kv_heads=config.get("num_key_value_heads", heads),
+                    head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+                    inter=config["intermediate_size"], vocab=config["vocab_size"],
+                    qk_norm=config.get("model_type") == "qwen3",
+                    rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+                    eps=float(config.get("rms_norm_eps", 1e-6)),
+                    tied=bool(config.get("tie_word_embeddings", False)))
+
+    @classmethod
+    def from_hf(cls, config: dict, files, dtype, device) -> "DummyModel":
+        """Real weights: config.json's dict and the checkpoint's .safetensors files (all its
+        shards, or any split of its tensors over several files)."""
+        from safetensors.torch import load_file
+
+        weights = {}
+        for f in files:
+            weights.update(load_file(str(f)))
+        return cls(cls.hf_shape(config), dtype, device, weights=weights)
+
     def _rope(self, x, pos):
-        # x [B, h, D], pos [B]: neox-style rotation
+        # x [B, h, D], pos [B]: neox-style rotation (HF Llama's rotate_half)
         f = pos.float()[:, None] * self.inv_freq[None]  # [B, D/2]
         cos, sin = f.cos()[:, None, :], f.sin()[:, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
-    def step(self, backend, fb: Batch, attention: bool = True) -> torch.Tensor:
-        """One decode step for the batch; returns the greedy next ids [B]. Ends by joining
-        the backend's side stream (asynchronous maintenance), so a captured step does."""
+    def _qkv(self, L, h, pos):
         s = self.s
-        B = fb.input_ids.shape[0]
+        T = h.shape[0]
         H, Hk, D = s.heads, s.kv_heads, s.head_dim
+        x = _rms(h, L.ln1, s.eps)
+        q, k, v = (x @ L.qkv.T).split([H * D, Hk * D, Hk * D], dim=-1)
+        q, k = q.reshape(T, H, D), k.reshape(T, Hk, D)
+        if s.qk_norm:
+            q, k = _rms(q, L.qn, s.eps), _rms(k, L.kn, s.eps)
+        return self._rope(q, pos), self._rope(k, pos), v.reshape(T, Hk, D)
+
+    def _mlp(self, L, h):
+        gate, up = (_rms(h, L.ln2, self.s.eps) @ L.gate_up.T).chunk(2, dim=-1)
+        return h + (torch.nn.functional.silu(gate) * up) @ L.down.T
+
+    def _logits(self, h):
+        return _rms(h, self.norm, self.s.eps) @ self.lm_head.T
+
+    def step(self, backend, fb: Batch, attention: bool = True, return_logits: bool = False) -> torch.Tensor:
+        """One decode step for the batch; returns the greedy next ids [B] (or the logits
+        [B, V]). Ends by joining the backend's side stream (asynchronous maintenance), so a
+        captured step does."""
+        B = fb.input_ids.shape[0]
         h = self.embed[fb.input_ids]
         for L in self.layers:
-            x = _rms(h, L.ln1)
-            qkv = x @ L.qkv.T
-            q, k, v = qkv.split([H * D, Hk * D, Hk * D], dim=-1)
-            q = self._rope(_rms(q.view(B, H, D), L.qn), fb.positions)
-            k = self._rope(_rms(k.view(B, Hk, D), L.kn), fb.positions)
+            q, k, v = self._qkv(L, h, fb.positions)
             if attention:
-                o = backend.forward_decode(q.reshape(B, -1), k, v.reshape(B, Hk, D), L.attn, fb)
+                o = backend.forward_decode(q.reshape(B, -1), k, v, L.attn, fb)
             else:
                 o = q.reshape(B, -1)
-            h = h + o @ L.o.T
-            gu = _rms(h, L.ln2) @ L.gate_up.T
-            gate, up = gu.chunk(2, dim=-1)
-            h = h + (torch.nn.functional.silu(gate) * up) @ L.down.T
-        ids = (_rms(h, self.norm) @ self.lm_head.T).argmax(-1)
+            h = self._mlp(L, h + o @ L.o.T)
+        logits = self._logits(h)
         if backend is not None and hasattr(backend, "join_maintenance"):
             backend.join_maintenance()
-        return ids
+        return logits if return_logits else logits.argmax(-1)
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, all_logits: bool = False):
+        """A real prefill of one prompt ids [T] (causal attention in torch, no pools): per
+        layer K (after RoPE) and V [T, H_kv, D], and the logits of the last position [V]
+        (all positions [T, V] with all_logits). See Setup.write_prompt."""
+        s = self.s
+        T = ids.shape[0]
+        pos = torch.arange(T, device=ids.device)
+        h = self.embed[ids]
+        ks, vs = [], []
+        rep = s.heads // s.kv_heads
+        for L in self.layers:
+            q, k, v = self._qkv(L, h, pos)
+            ks.append(k)
+            vs.append(v)
+            kk, vv = (t.repeat_interleave(rep, dim=1).transpose(0, 1) for t in (k, v))  # [H, T, D]
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), kk, vv, is_causal=True, scale=L.attn.scaling)
+            h = self._mlp(L, h + o.transpose(0, 1).reshape(T, -1) @ L.o.T)
+        logits = self._logits(h if all_logits else h[-1:])
+        return ks, vs, (logits if all_logits else logits[0])
 
 
 # ---------------------------------------------------------------------- one configuration
@@ -272,6 +356,18 @@ class Setup:
             v[locs] = torch.randn(shape, generator=g, device=v.device, dtype=torch.float32).to(v.dtype)
             store_key_norms(kk, locs, self.sfi.key_norms[lid])
             del kk
+
+    def write_prompt(self, ks, vs):
+        """Real prompt K/V (DummyModel.prefill of the prompt's first n - 1 tokens: per layer
+        [n - 1, H_kv, D]) into every request's slots, with their key norms."""
+        from sfi_sglang.kernels import store_key_norms
+
+        locs = (self.base[:, None] + torch.arange(self.n - 1, device=self.base.device)).reshape(-1)
+        for lid, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
+            kk = ks[lid].to(k.dtype).repeat(self.B, 1, 1)
+            k[locs] = kk
+            v[locs] = vs[lid].to(v.dtype).repeat(self.B, 1, 1)
+            store_key_norms(kk, locs, self.sfi.key_norms[lid])
 
     def reset(self, first_ids: torch.Tensor):
         """Every request back at context n (its last prompt token as input), SFI memory

@@ -101,3 +101,48 @@ def test_backend_kernel_path_equals_reference_path():
     r = subprocess.run([sys.executable, "-c", _KERNEL_VS_REFERENCE], capture_output=True, text=True,
                        timeout=900, cwd=str(_REPO), env=env)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_real_smollm2_fits_budget_sfi_equals_dense(model_path, tokenizer):
+    """The Llama path of the harness's model on the real SmolLM2 weights (fp32, CPU): its
+    prefill gives HF transformers' logits, a dense decode step continues the prefill, and
+    with the context inside S + W + K the SFI backend (slow and fast steps) decodes the
+    same greedy tokens as dense (bench/smollm2_h200.py runs this at 1.5K/4K on the H200)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sfi_sglang import bench
+    from sfi_sglang.backend import ACTIVE
+    from sfi_sglang.config import SFIConfig
+
+    torch.manual_seed(0)
+    path = pathlib.Path(model_path)
+    config = json.loads((path / "config.json").read_text())
+    model = bench.DummyModel.from_hf(config, [path / "model.safetensors"], torch.float32, "cpu")
+    assert model.s.tied and not model.s.qk_norm and model.s.rope_theta == 100000.0
+    ids = torch.tensor(tokenizer.encode("The essay explains why startups in Silicon Valley grow fast: "
+                                        "founders, investors and engineers live close to each other, and"))
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    del hf
+    ks, vs, logits = model.prefill(ids, all_logits=True)
+    assert (logits - ref).abs().max().item() < 1e-3 * ref.abs().max().item()
+
+    steps, n = 6, ids.numel()
+    cfg = SFIConfig(sinks=4, window=16, budget=32, refresh="interval", max_interval=3, min_gap=1)
+    assert n + steps + 1 <= cfg.sinks + cfg.window + cfg.budget
+    st = bench.Setup(model, cfg, n, 1, steps + 2, "cpu", torch.float32)
+    try:
+        st.write_prompt([k[:-1] for k in ks], [v[:-1] for v in vs])
+        first = ids[-1:]
+        st.reset(first)
+        step0 = model.step(st.dense, st.fb, return_logits=True)[0]  # decodes the last prompt token
+        assert (step0 - logits[-1]).abs().max().item() < 1e-3 * logits[-1].abs().max().item()
+        run = bench.Runner(st, use_graphs=False)
+        dense_ids, _ = run.run_dense(first, steps)
+        sfi_ids, _, n_slow = run.run_sfi(first, steps)
+        assert n_slow == 2  # timed steps 3 and 6 (the first step selects)
+        assert torch.equal(dense_ids, sfi_ids[:, :steps]), (dense_ids, sfi_ids)
+    finally:
+        ACTIVE.remove(st.sfi)
