@@ -184,10 +184,64 @@ def run_config(N, B, l2, use_tc):
     torch.cuda.empty_cache()
 
 
+def e2e(n=8192, b=4, steps=48):
+    """The backend end to end (sfi_sglang.bench's harness, Qwen3-4B shape, dummy weights,
+    eager steps): the same SFI decode with each fast path; same tokens? time per step."""
+    from sfi_sglang import bench
+    from sfi_sglang.backend import ACTIVE
+
+    model = bench.DummyModel(bench.SHAPES["qwen3-4b"], torch.bfloat16, DEV)
+    first = torch.arange(b, device=DEV) + 100
+    out = {}
+
+    def forced(st, ids):
+        """Logits [B, T, V] of SFI steps fed the tokens `ids` [B, T] (teacher forcing, so
+        both paths see the same inputs even where a near-tie flips a greedy token)."""
+        st.reset(first)
+        logits = []
+        for t in range(ids.shape[1]):
+            st.sfi.init_forward_metadata(st.fb)
+            logits.append(model.step(st.sfi, st.fb, return_logits=True).float())
+            st.advance(ids[:, t])
+        return torch.stack(logits, 1)
+
+    for fp in ("triton", "flashinfer"):
+        cfg = CFG.SFIConfig(refresh="interval", max_interval=24, min_gap=16, fast_path=fp)
+        st = bench.Setup(model, cfg, n, b, steps + 2, DEV, torch.bfloat16)
+        run = bench.Runner(st, use_graphs=False)
+        run.run_sfi(first, steps)  # warm-up (Triton/FlashInfer compiles)
+        ids, t, slow = run.run_sfi(first, steps)
+        ref_ids = out["triton"]["ids"] if fp == "flashinfer" else ids
+        out[fp] = {"ids": ids, "step_ms": t / steps * 1e3, "slow_steps": slow,
+                   "forced": forced(st, ref_ids[:, :steps])}
+        ACTIVE.remove(st.sfi)
+        del st, run
+        torch.cuda.empty_cache()
+    a, c = out["triton"]["ids"], out["flashinfer"]["ids"]
+    diff = (a != c).any(0).nonzero()
+    lt, lf = out["triton"]["forced"], out["flashinfer"]["forced"]
+    top2 = lt.topk(2, -1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 0.05  # steps whose top-1 is not a near-tie
+    rel = ((lf - lt).norm(dim=-1) / lt.norm(dim=-1))
+    res = {"context": n, "batch": b, "steps": steps, "tokens_equal": bool(torch.equal(a, c)),
+           "agreement": float((a == c).float().mean()),
+           "first_diff_step": int(diff[0]) if diff.numel() else None,
+           "forced_logits_rel_err_max": float(rel.max()), "forced_logits_rel_err_median": float(rel.median()),
+           "forced_top1_agree_clear_steps": float((lt.argmax(-1) == lf.argmax(-1))[clear].float().mean()),
+           "forced_clear_steps": int(clear.sum()),
+           **{f"{fp}_step_ms": out[fp]["step_ms"] for fp in out},
+           **{f"{fp}_slow_steps": out[fp]["slow_steps"] for fp in out}}
+    RESULTS["e2e"] = res
+    log("e2e " + json.dumps(res))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--tensor-cores", action="store_true", help="also time use_tensor_cores=True")
+    ap.add_argument("--e2e", action="store_true", help="also the backend end to end, both fast paths")
+    ap.add_argument("--configs", default="8192x1,8192x8,32768x1,32768x8,131072x1,131072x8",
+                    help="NxB timing configs ('' for none)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -198,7 +252,7 @@ def main():
     RESULTS["env"] = {"device": props.name, "torch": torch.__version__,
                       "flashinfer": flashinfer.__version__}
     log(json.dumps(RESULTS["env"]))
-    path = os.path.join(args.out, "flashinfer_h200.json")
+    path = os.path.join(args.out, "flashinfer_h200.json" if args.configs else "flashinfer_h200_e2e.json")
     try:
         RESULTS["all_checks_ok"] = bool(correctness())
     except Exception:
@@ -206,7 +260,7 @@ def main():
         log(traceback.format_exc()[-2000:])
         RESULTS["all_checks_ok"] = False
     log(f"checks ok: {RESULTS['all_checks_ok']} ({time.time() - t0:.0f}s, includes FlashInfer's JIT build)")
-    for N, B in [(8192, 1), (8192, 8), (32768, 1), (32768, 8), (131072, 1), (131072, 8)]:
+    for N, B in [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",") if c]:
         try:
             run_config(N, B, l2, args.tensor_cores)
         except Exception:
@@ -214,6 +268,12 @@ def main():
             log(traceback.format_exc()[-1500:])
         with open(path, "w") as f:
             json.dump(RESULTS, f, indent=1)
+    if args.e2e:
+        try:
+            e2e()
+        except Exception:
+            RESULTS["errors"].append("e2e: " + traceback.format_exc()[-2000:])
+            log(traceback.format_exc()[-2000:])
     RESULTS["wall_s"] = time.time() - t0
     with open(path, "w") as f:
         json.dump(RESULTS, f, indent=1)

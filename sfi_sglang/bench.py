@@ -40,7 +40,7 @@ import torch
 
 from sfi_sglang.backend import ACTIVE, SFIAttnBackend
 from sfi_sglang.boundary import TriggerPolicy
-from sfi_sglang.config import SFIConfig, export_config
+from sfi_sglang.config import FAST_PATHS, SFIConfig, export_config
 
 SHAPES = {
     # Qwen3-4B: 36 layers, hidden 2560, 32 query / 8 KV heads of 128, MLP 9728
@@ -542,9 +542,13 @@ class Runner:
         kc, vc = st.kv.get_key_buffer(last.layer_id), st.kv.get_value_buffer(last.layer_id)
         q3 = q.view(B, s.heads, s.head_dim)
 
+        layer_plan = be.memory.plan_fast("parts", st.fb.req_pool_indices, st.fb.seq_lens,
+                                         s.heads // s.kv_heads, last.scaling)
+
         def fast_layer():  # one sparse layer's fast attention alone (SparseMemory -> kernel)
             be.memory.attend_fast(last.layer_id, q3, kc, vc, st.r2t_pool.req_to_token,
-                                  st.fb.req_pool_indices, st.fb.seq_lens, last.scaling)
+                                  st.fb.req_pool_indices, st.fb.seq_lens, last.scaling,
+                                  fast_plan=layer_plan)
 
         for name, fn in (("none", none), ("dense_attn", dense_attn), ("fast_attn", sfi_attn),
                          ("dense_layer", lambda: st.dense.forward_decode(q, k, v, last, st.fb)),
@@ -590,7 +594,7 @@ def throughput(args) -> dict:
     shape = SHAPES[args.shape]
     cfg = SFIConfig(budget=args.sfi_budget, window=args.sfi_window, sinks=args.sfi_sinks,
                     dense_layers=tuple(int(x) for x in args.sfi_dense_layers.split(",") if x != ""),
-                    refresh="interval", max_interval=args.slow_every,
+                    refresh="interval", max_interval=args.slow_every, fast_path=args.sfi_fast_path,
                     min_gap=min(SFIConfig.min_gap, args.slow_every))
     model = DummyModel(shape, dtype, device)
     configs = [tuple(int(x) for x in item.split("x")) for item in args.configs.split(",")]
@@ -682,6 +686,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sfi-window", type=int, default=256)
     p.add_argument("--sfi-sinks", type=int, default=4)
     p.add_argument("--sfi-dense-layers", default="0,1")
+    p.add_argument("--sfi-fast-path", choices=FAST_PATHS, default=SFIConfig.fast_path,
+                   help="fast-step kernel (flashinfer: needs --no-cuda-graph, its plan syncs)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default=None)
     p.add_argument("--no-cuda-graph", action="store_true")
@@ -694,6 +700,8 @@ def main(argv: list[str]) -> int:
         assert all(len(c) == 2 and c[0] > 1 and c[1] > 0 for c in configs)
     except (ValueError, AssertionError):
         p.error(f"--configs: expected CONTEXTxBATCH[,CONTEXTxBATCH...], got {args.configs!r}")
+    if args.sfi_fast_path == "flashinfer" and not args.no_cuda_graph:
+        p.error("--sfi-fast-path flashinfer needs --no-cuda-graph (its per-step plan syncs the host)")
     if args.steps < 1 or args.slow_every < 2 or args.reps < 1:
         p.error("--steps and --reps must be >= 1, --slow-every >= 2")
     result = throughput(args)

@@ -39,6 +39,8 @@ def test_tiny_throughput_run(tmp_path):
 @pytest.mark.parametrize("args, fragment", [
     (["--configs", "8kx1"], "--configs"),
     (["--slow-every", "1"], "--slow-every"),
+    (["--sfi-fast-path", "flashinfer"], "--no-cuda-graph"),
+    (["--sfi-fast-path", "cuda"], "--sfi-fast-path"),
 ])
 def test_bad_options_exit_2(args, fragment):
     r = subprocess.run(CLI + TINY + args, capture_output=True, text=True, timeout=120, cwd=str(_REPO))
