@@ -79,6 +79,8 @@ METHODS = {
     "sfi-no-pool": Method("sfi-no-pool", {"pool_radius": 0}),
     "sfi-no-exclusivity": Method("sfi-no-exclusivity", {"use_exclusivity": False}),
     "sfi-interval": Method("sfi-interval", {"refresh": "interval", "max_interval": 24}),
+    # slow steps at least every 8 tokens (boundaries still trigger, 4 apart at the least)
+    "sfi-refresh-8": Method("sfi-refresh-8", {"min_gap": 4, "max_interval": 8}),
     "sfi-no-dense-layers": Method("sfi-no-dense-layers", {"dense_layers": []}),
     "streaming": Method("streaming", {"method": "streaming"}),
     "snapkv": Method("snapkv", {"method": "snapkv"}),
