@@ -85,25 +85,23 @@ class FlashInferFastDecode:
         ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             ws, "NHD", use_tensor_cores=use_tensor_cores)
-        self.indptr = None
+        self.indptr = None  # [B * H + 1] int32 on the device, for build_pages
         self.pages = None
         self.max_pages = 0
-        self.sm_scale = None
 
     def plan(self, counts: torch.Tensor, sm_scale: float) -> None:
-        """counts [B]: pages per batch row (page_counts). Host sync."""
-        H = self.H
-        per_row = counts.to(self.device, torch.int32).repeat_interleave(H)
-        self.indptr = torch.zeros(per_row.numel() + 1, dtype=torch.int32, device=self.device)
-        torch.cumsum(per_row, 0, out=self.indptr[1:])
-        total = int(self.indptr[-1])
-        self.max_pages = int(counts.max()) if counts.numel() else 0
+        """counts [B]: pages per batch row (page_counts). One host sync (the counts): the
+        row offsets are made on the host, where FlashInfer's scheduler reads them."""
+        per_row = counts.cpu().to(torch.int32).repeat_interleave(self.H)
+        indptr = torch.zeros(per_row.numel() + 1, dtype=torch.int32)
+        torch.cumsum(per_row, 0, out=indptr[1:])
+        total = int(indptr[-1])
+        self.max_pages = int(per_row.max()) if per_row.numel() else 0
+        self.indptr = indptr.to(self.device)
         self.pages = torch.zeros(max(total, 1), dtype=torch.int32, device=self.device)
-        last = torch.ones(per_row.numel(), dtype=torch.int32, device=self.device)
-        self.sm_scale = float(sm_scale)
-        self.wrapper.plan(self.indptr, self.pages[:total], last, self.G, 1, self.D, 1,
-                          q_data_type=self.dtype, kv_data_type=self.dtype,
-                          sm_scale=self.sm_scale)
+        last = torch.ones(per_row.numel(), dtype=torch.int32)
+        self.wrapper.plan(indptr, self.pages[:total], last, self.G, 1, self.D, 1,
+                          q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=float(sm_scale))
 
     def run(self, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, win_start,
             n_sinks, sel_pos, sel_count, out=None):
