@@ -6,11 +6,13 @@ Why a .pth and not SGLang's plugin hook: SGLang imports `sgl_kernel` at module l
 `load_plugins()`, and it spawns its scheduler and detokenizer processes, so only
 interpreter start-up comes early enough in each of them.
 
-What it does: nothing, unless a process imports `sgl_kernel` and that import fails on a
-machine without CUDA (the PyPI build of sgl_kernel needs libcuda). Then the module is
-completed with the pure-torch CPU ops of `sfi_sglang.cpu_ops`. Where `sgl_kernel` imports
-fine, it is left exactly as it is. Keep this file free of heavy imports: it runs in every
-Python process of the environment.
+What it does: nothing, unless a process imports `sgl_kernel` and that import fails
+- on a machine without CUDA (the PyPI build of sgl_kernel needs libcuda): the module is
+  completed with the pure-torch CPU ops of `sfi_sglang.sgl_kernel_standin`;
+- on a CUDA machine, and only with SFI_SGLANG_TORCH_KERNELS=1 set: with that module's
+  torch stand-ins for SGLang's CUDA ops (see there; bench/sglang_h200.sh).
+Where `sgl_kernel` imports fine, it is left exactly as it is. Keep this file free of heavy
+imports: it runs in every Python process of the environment.
 """
 
 import importlib.abc
@@ -32,27 +34,57 @@ class _FallbackLoader(importlib.abc.Loader):
             try:
                 self.real_loader.exec_module(module)
                 return
-            except ImportError as err:
-                if not _may_fall_back():
+            except Exception as err:  # ImportError/OSError without libcuda, RuntimeError without a GPU
+                mode = _fallback_mode()
+                if mode is None:
                     raise
                 reason = f"sgl_kernel failed to import ({str(err).strip().splitlines()[-1]})"
         else:
-            if not _may_fall_back():
+            mode = _fallback_mode()
+            if mode is None:
                 raise ModuleNotFoundError(f"No module named {_NAME!r}", name=_NAME)
             reason = "sgl_kernel is not installed"
-        from sfi_sglang.cpu_ops import fill_module
+        from sfi_sglang import sgl_kernel_standin
 
-        fill_module(module, reason)
+        if mode == "cpu":
+            sgl_kernel_standin.fill_module(module, reason)
+        else:
+            sgl_kernel_standin.fill_module_torch(module, reason)
 
 
-def _may_fall_back() -> bool:
+class _SubmoduleLoader(importlib.abc.Loader):
+    """`sgl_kernel.<sub>` under the CUDA stand-in: a stand-in module too."""
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        from sfi_sglang.sgl_kernel_standin import fill_module_torch
+
+        fill_module_torch(module, sys.modules[_NAME].SFI_TORCH_STANDIN)
+
+
+def _fallback_mode():
+    """"cpu", "torch" or None (no stand-in: the import error stands)."""
+    import os
+
     import torch
 
-    return not torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        return "cpu"
+    if os.environ.get("SFI_SGLANG_TORCH_KERNELS") == "1":
+        return "torch"
+    return None
 
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
+        if fullname.startswith(_NAME + ".") and hasattr(sys.modules.get(_NAME), "SFI_TORCH_STANDIN"):
+            from sfi_sglang.sgl_kernel_standin import NO_STANDIN_SUBMODULES
+
+            if fullname.split(".", 1)[1] in NO_STANDIN_SUBMODULES:
+                return None  # ModuleNotFoundError: SGLang's own fallback takes over
+            return importlib.machinery.ModuleSpec(fullname, _SubmoduleLoader(), is_package=True)
         if fullname != _NAME:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)

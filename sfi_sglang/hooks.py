@@ -3,7 +3,8 @@ through SGLang's plugin HookRegistry (sglang.srt.plugins.hook_registry) and each
 the reason no dedicated extension point exists for it.
 
 (The `sfi` attention backend itself uses the supported register_attention_backend and
-add_attention_backend_choices; the CPU stand-in for sgl_kernel lives in _startup.py.)
+add_attention_backend_choices; the stand-ins for sgl_kernel live in _startup.py and
+sgl_kernel_standin.py.)
 """
 
 from __future__ import annotations
@@ -51,6 +52,24 @@ def install() -> None:
     from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
 
     SchedulerOutputStreamer.has_additional_customized_info = True
+    # Under sgl_kernel's torch stand-in (a GPU without sglang-kernel, SFI_SGLANG_TORCH_KERNELS):
+    # every CUDA model's MLP asks the CUTLASS DSL module whether its SM100 dual GEMM applies,
+    # importing the nvidia-cutlass-dsl package that comes with sglang-kernel's stack. Without
+    # that package the answer is "no" (SGLang's plain path), not a crash.
+    import os
+
+    if os.environ.get("SFI_SGLANG_TORCH_KERNELS") == "1":
+        HookRegistry.register("sglang.srt.layers.dual_gemm.DualGemm._select_mode",
+                              _no_dual_gemm_without_cutlass, HookType.AROUND)
+
+
+def _no_dual_gemm_without_cutlass(original, self, *args, **kwargs):
+    try:
+        return original(self, *args, **kwargs)
+    except ModuleNotFoundError as err:
+        if err.name != "cutlass":
+            raise
+        return None
 
 
 def _verify_sfi_params(result, self, *args, **kwargs):
