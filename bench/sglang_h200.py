@@ -66,7 +66,10 @@ def engine_kwargs(args, path: str, max_tokens: int, max_batch: int) -> dict:
         else:
             kw.update(cuda_graph_max_bs=max_batch)
     if args.engine == "sfi":
-        kw.update(sfi_refresh="interval", sfi_max_interval=args.slow_every)
+        from sfi_sglang.config import SFIConfig
+
+        kw.update(sfi_refresh="interval", sfi_max_interval=args.slow_every,
+                  sfi_min_gap=min(args.slow_every, SFIConfig().min_gap))
     else:
         kw.update(disable_sfi=True)
     return kw
@@ -122,9 +125,12 @@ def main(argv=None) -> int:
             prompts = [rng.integers(100, vocab, n).tolist() for _ in range(b)]
             warm, _ = run(prompts, 1)
             print(f"[{args.engine}] {n}x{b}: prefill {warm:.1f} s", flush=True)
-            run(prompts, 4)  # warm-up decode: kernels compile on their first call
             for batch in sorted({1, b}):
                 ps = prompts[:batch]
+                # warm-up decode past one slow step: Triton compiles a kernel for each new
+                # split count (they follow batch x context) at its first call (run 5 timed
+                # those compiles, section 7 of bench/NOTES.md)
+                run(ps, args.slow_every + 2)
                 t1, _ = run(ps, 1)
                 tm, outs = run(ps, args.steps + 1)
                 step_ms = 1e3 * (tm - t1) / args.steps

@@ -148,3 +148,22 @@ def test_real_smollm2_fits_budget_sfi_equals_dense(model_path, tokenizer):
         assert torch.equal(dense_ids, sfi_ids[:, :steps]), (dense_ids, sfi_ids)
     finally:
         ACTIVE.remove(st.sfi)
+
+
+def test_real_sglang_throughput_driver(tmp_path):
+    """bench/sglang_h200.py (the driver of the real-SGLang H200 runs, bench/NOTES.md
+    section 7) on SGLang's CPU engine: a dummy-weight Qwen3 config, token-id prompts, the
+    `sfi` backend with a forced slow step every 4 tokens, counted in meta_info."""
+    steps, every = 8, 4
+    r = subprocess.run([sys.executable, "bench/sglang_h200.py", "--engine", "sfi", "--shape", "tiny",
+                        "--configs", "256x2", "--steps", str(steps), "--slow-every", str(every),
+                        "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=900, cwd=str(_REPO))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "sglang_sfi.json").read_text())
+    assert res["launch"]["load_format"] == "dummy" and res["launch"]["sfi_refresh"] == "interval"
+    assert [(row["context"], row["batch"]) for row in res["rows"]] == [(256, 1), (256, 2)]
+    for row in res["rows"]:
+        b = row["batch"]
+        assert row["slow_steps"] + row["fast_steps"] == b * steps, row
+        assert b * (steps // every - 1) <= row["slow_steps"] <= b * (steps // every + 1), row
