@@ -175,6 +175,25 @@ class SFIAttnBackend:
                     type(dense_backend).__name__, self.memory.bytes() / 2**20,
                     "kernel" if self.memory.packed else "torch reference")
 
+    @staticmethod
+    def kv_budget(available: int, num_layers: int, num_kv_heads: int, head_dim: int, cfg: SFIConfig,
+                  dtype, packed: bool, slots: int) -> int:
+        """SGLang's KV-pool byte budget once this backend's own tensors are set aside: the
+        sparse memory (per request slot, `slots` + 1 rows like SGLang's req_to_token) and the
+        key norms (per KV-pool token, next to the pool's K and V). Raises SFIConfigError when
+        nothing would be left. Called by sfi_sglang.hooks where SGLang sizes its pools."""
+        mem = (slots + 1) * SparseMemory.slot_bytes(num_layers, num_kv_heads, head_dim, cfg, dtype, packed)
+        kv_cell = 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        norm_cell = num_layers * num_kv_heads * 4  # self.key_norms: float32 [L, tokens, H_kv]
+        left = (available - mem) * kv_cell // (kv_cell + norm_cell)
+        if left <= 0:
+            raise SFIConfigError(
+                f"SFI's sparse memory for {slots} request slots needs {mem / 2**30:.2f} GiB "
+                f"({mem / (slots + 1) / 2**20:.1f} MiB per slot with --sfi-budget {cfg.budget}) "
+                f"but the KV budget is {available / 2**30:.2f} GiB: lower --max-running-requests "
+                "or --sfi-budget, or raise --mem-fraction-static")
+        return int(left)
+
     # ------------------------------------------------------------------ SGLang services
     # The three places that need SGLang beyond the pools; sfi_sglang.bench's harness
     # (a GPU machine without SGLang) overrides them.

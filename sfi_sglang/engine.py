@@ -19,6 +19,10 @@ CPU_DEFAULTS: dict[str, Any] = {
 }
 
 
+# SGLang's --max-running-requests when SFI is on and the user gives none
+SFI_MAX_RUNNING_REQUESTS = 64
+
+
 def has_gpu() -> bool:
     import torch
 
@@ -58,6 +62,9 @@ def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict
                 if out.get(key) is False:
                     raise ValueError(f"{key}=False is not supported with SFI on CUDA yet; drop it or disable SFI")
                 out[key] = True
+        # Each request slot holds SFI's sparse memory (on CUDA ~0.3 GB for Qwen3-4B at the
+        # default budget, SparseMemory.slot_bytes); SGLang's default is 2048+ slots.
+        out.setdefault("max_running_requests", SFI_MAX_RUNNING_REQUESTS)
         if not out.get("disable_radix_cache"):  # shared prefixes share SFI memories
             out.setdefault("radix_cache_backend", "sfi")
         export_config(cfg)

@@ -15,6 +15,7 @@ OUTPUT_STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.Sche
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 SAMPLING_PARAMS = "sglang.srt.sampling.sampling_params.SamplingParams"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 
 META_KEY = "sfi"
 
@@ -52,6 +53,8 @@ def install() -> None:
     from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
 
     SchedulerOutputStreamer.has_additional_customized_info = True
+    HookRegistry.register(f"{KV_CONFIGURATOR}._profile_available_bytes", _reserve_sfi_memory,
+                          HookType.AROUND)
     # Under sgl_kernel's torch stand-in (a GPU without sglang-kernel, SFI_SGLANG_TORCH_KERNELS):
     # every CUDA model's MLP asks the CUTLASS DSL module whether its SM100 dual GEMM applies,
     # importing the nvidia-cutlass-dsl package that comes with sglang-kernel's stack. Without
@@ -61,6 +64,37 @@ def install() -> None:
     if os.environ.get("SFI_SGLANG_TORCH_KERNELS") == "1":
         HookRegistry.register("sglang.srt.layers.dual_gemm.DualGemm._select_mode",
                               _no_dual_gemm_without_cutlass, HookType.AROUND)
+
+
+def _reserve_sfi_memory(original, self, *args, **kwargs):
+    """SGLang sizes its KV pool from this one byte count (what mem_fraction_static leaves
+    after the weights), and the `sfi` backend allocates its own tensors afterwards. Without
+    this they come out of the activation headroom instead: on the H200, 64 request slots of
+    Qwen3-4B (290 MB each at --sfi-budget 2048) ran a 32K prefill out of memory
+    (bench/NOTES.md section 7). No extension point exists for it."""
+    available = original(self, *args, **kwargs)
+    sa = self.server_args
+    if "sfi" not in {sa.attention_backend, getattr(sa, "decode_attention_backend", None),
+                     getattr(sa, "prefill_attention_backend", None)}:
+        return available
+    from sfi_sglang.backend import SFIAttnBackend
+    from sfi_sglang.config import server_config
+
+    cfg = server_config()
+    mc = self.model_config
+    # without --max-running-requests SGLang makes 2048-4096 request slots
+    # (KVCacheConfigurator.resolve_max_num_reqs); sfi_sglang's launchers always set it
+    slots = sa.max_running_requests or 4096
+    budget = SFIAttnBackend.kv_budget(available, mc.num_hidden_layers, mc.get_num_kv_heads(sa.tp_size),
+                                      mc.head_dim, cfg, self.kv_cache_dtype,
+                                      str(self.device).startswith("cuda"), slots)
+    MEMORY.update(available=int(available), kv_budget=budget, reserved=int(available) - budget,
+                  slots=slots + 1)
+    return budget
+
+
+# this scheduler's SFI memory reservation (_reserve_sfi_memory), reported by _add_sfi_state
+MEMORY: dict = {}
 
 
 def _no_dual_gemm_without_cutlass(original, self, *args, **kwargs):
@@ -190,12 +224,19 @@ def _update_meta_info(original, self, meta_info, state, customized_info, index, 
 
 
 def _add_sfi_state(result, self, *args, **kwargs):
-    """The scheduler's SFI sharing counters (sfi_sglang.radix.stats) join its internal
+    """The scheduler's SFI sharing counters (sfi_sglang.radix.stats) and memory reservation
+    (_reserve_sfi_memory) join its internal
     state, which SGLang serves at /server_info and Engine.get_server_info(); the internal
     state is assembled from a fixed list of contributors with no extension point."""
     from sfi_sglang import radix
+    from sfi_sglang.backend import ACTIVE
 
-    result.internal_state[META_KEY] = radix.stats()
+    memory = dict(MEMORY)
+    if ACTIVE:  # what the backend allocated against what was reserved for it
+        be = ACTIVE[-1]
+        memory.update(allocated=be.memory.bytes() + be.key_norms.numel() * be.key_norms.element_size(),
+                      allocated_slots=be.memory.max_slots)
+    result.internal_state[META_KEY] = {**radix.stats(), "memory": memory}
     return result
 
 

@@ -127,6 +127,17 @@ class SparseMemory:
         self._ar_s = torch.arange(self.sinks, device=dev)
 
     # ------------------------------------------------------------------ bookkeeping
+    @staticmethod
+    def slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, cfg, dtype, packed: bool) -> int:
+        """Bytes a SparseMemory of `num_layers` layers holds per request slot (every tensor
+        of __init__ is [slots, ...]; `packed` as there): what SGLang's memory budget must
+        leave for it (SFIAttnBackend.kv_budget)."""
+        L, H, K = int(num_layers), int(num_kv_heads), int(cfg.budget)
+        n = L * H * K * 4 + 4 + 8 + 4 + 8 + 16  # sel_pos, sel_count, win_start, n_sinks, fast_ws, counts
+        if packed and cfg.fast_path == "triton":  # packed_k/v and packed_len
+            n += 2 * L * H * (int(cfg.sinks) + K) * int(head_dim) * torch.empty((), dtype=dtype).element_size() + 4
+        return n
+
     def bytes(self) -> int:
         """Device bytes held by this memory."""
         ts = [self.sel_pos, self.sel_count, self.win_start, self.n_sinks, self.fast_ws, self.counts,

@@ -177,6 +177,23 @@ def test_reset_store_and_bytes():
     assert int(mem.sel_count[int(st["rpi"][1])]) == 5
     pk = SparseMemory(3, [1, 2], 5, Hkv, D, CFG, DEV, torch.float16, packed=True)
     assert pk.bytes() == mem.bytes() + 2 * L * M * Hkv * (CFG.sinks + K) * D * 2 + M * 4
+    # slot_bytes (what SGLang's budget sets aside, sfi_sglang.hooks) is the allocation per slot
+    for m, packed in ((mem, False), (pk, True)):
+        assert m.bytes() == M * SparseMemory.slot_bytes(L, Hkv, D, CFG, torch.float16, packed)
+
+
+def test_kv_budget_sets_aside_sparse_memory_and_key_norms():
+    from sfi_sglang.backend import SFIAttnBackend
+    from sfi_sglang.config import SFIConfigError
+
+    L, H, D, slots = 4, 2, 16, 3
+    per_slot = SparseMemory.slot_bytes(L, H, D, CFG, torch.bfloat16, True)
+    kv_cell, norm_cell = 2 * L * H * D * 2, L * H * 4
+    avail = (slots + 1) * per_slot + 1000 * (kv_cell + norm_cell)
+    left = SFIAttnBackend.kv_budget(avail, L, H, D, CFG, torch.bfloat16, True, slots)
+    assert left == 1000 * kv_cell  # 1000 tokens of K/V, and their key norms beside them
+    with pytest.raises(SFIConfigError, match="lower --max-running-requests"):
+        SFIAttnBackend.kv_budget((slots + 1) * per_slot, L, H, D, CFG, torch.bfloat16, True, slots)
 
 
 # ------------------------------------------------------------------ kernel path == reference

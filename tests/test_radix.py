@@ -55,6 +55,17 @@ def test_cache_backend_is_sfi_and_stats_endpoint(server):
     assert info["internal_states"][0]["sfi"]["radix"]["capacity"] == s["radix"]["capacity"]
 
 
+def test_sfi_memory_comes_out_of_sglang_budget(server):
+    """SFI's own tensors are set aside from SGLang's KV budget (sfi_sglang.hooks), for the
+    request slots SGLang then makes (sfi-sglang serve's default --max-running-requests)."""
+    info = requests.get(server.url + "/server_info", timeout=60).json()
+    assert info["max_running_requests"] == 64
+    m = info["internal_states"][0]["sfi"]["memory"]
+    assert m["allocated_slots"] == m["slots"] == 65
+    # the key norms follow the pool's token count (+ SGLang's padding token): 1 MiB slack
+    assert 0 < m["allocated"] <= m["reserved"] + 2**20 and m["reserved"] < m["available"]
+
+
 def test_multi_turn_chat_reuses_turn_one_memory_and_equals_dense(server, tokenizer):
     user1 = "Summarise this in two sentences: " + long_text(tokenizer, 120, start=7)
     turn1 = generate(server, greedy(40), text=chat_prompt(tokenizer, user1))
