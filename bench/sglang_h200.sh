@@ -12,8 +12,12 @@
 #           If the tarball would exceed 55 MiB it is split into .sgl/site1.tar.xz (sglang) and
 #           .sgl/site2.tar.xz (the rest).  The wheels and the staging folder are removed at the end
 #           (KEEP=1 keeps them under .sgl/whl and .sgl/stage; don't carry .sgl then).
-#   device: run(command="bench/sglang_h200.sh ...", carry=[".sgl"]); or, from another script,
-#           `source bench/sglang_h200.sh; unpack_site` -> /root/site on PYTHONPATH.
+#   device: run(command="bash bench/sglang_h200.sh dense sfi -- --configs 8192x16,32768x4,131072x1",
+#           carry=[".sgl"]): unpacks into /root/site (kept while the machine stays warm), puts
+#           sfi_sglang and the sgl_kernel stand-in in place (setup_sfi) and runs
+#           bench/sglang_h200.py once per engine named (dense | dense-graph | sfi), options after
+#           `--`; `bash bench/sglang_h200.sh imports` only checks the imports. Results: $OUT.
+#           From another script: `source bench/sglang_h200.sh; unpack_site; setup_sfi`.
 set -euo pipefail
 
 # Distributions carried (names as pip knows them; versions are taken from this machine's venv).
