@@ -183,7 +183,7 @@ class SFIAttnBackend:
         key norms (per KV-pool token, next to the pool's K and V). Raises SFIConfigError when
         nothing would be left. Called by sfi_sglang.hooks where SGLang sizes its pools."""
         mem = (slots + 1) * SparseMemory.slot_bytes(num_layers, num_kv_heads, head_dim, cfg, dtype, packed)
-        kv_cell = 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        kv_cell = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
         norm_cell = num_layers * num_kv_heads * 4  # self.key_norms: float32 [L, tokens, H_kv]
         left = (available - mem) * kv_cell // (kv_cell + norm_cell)
         if left <= 0:

@@ -130,13 +130,11 @@ class SparseMemory:
     @staticmethod
     def slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, cfg, dtype, packed: bool) -> int:
         """Bytes a SparseMemory of `num_layers` layers holds per request slot (every tensor
-        of __init__ is [slots, ...]; `packed` as there): what SGLang's memory budget must
-        leave for it (SFIAttnBackend.kv_budget)."""
-        L, H, K = int(num_layers), int(num_kv_heads), int(cfg.budget)
-        n = L * H * K * 4 + 4 + 8 + 4 + 8 + 16  # sel_pos, sel_count, win_start, n_sinks, fast_ws, counts
-        if packed and cfg.fast_path == "triton":  # packed_k/v and packed_len
-            n += 2 * L * H * (int(cfg.sinks) + K) * int(head_dim) * torch.empty((), dtype=dtype).element_size() + 4
-        return n
+        bytes() counts is [slots, ...]; `packed` as in __init__): what SGLang's memory budget
+        must leave for it (SFIAttnBackend.kv_budget). Measured on a one-slot memory on the
+        meta device, so it cannot drift from the allocation."""
+        return SparseMemory(num_layers, range(num_layers), 1, num_kv_heads, head_dim, cfg, "meta",
+                            dtype, packed=packed).bytes()
 
     def bytes(self) -> int:
         """Device bytes held by this memory."""
