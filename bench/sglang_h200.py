@@ -127,9 +127,8 @@ def main(argv=None) -> int:
             print(f"[{args.engine}] {n}x{b}: prefill {warm:.1f} s", flush=True)
             for batch in sorted({1, b}):
                 ps = prompts[:batch]
-                # warm-up decode past one slow step: Triton compiles a kernel for each new
-                # split count (they follow batch x context) at its first call (run 5 timed
-                # those compiles, section 7 of bench/NOTES.md)
+                # warm-up decode past one slow step, so that no first-call compile of a
+                # kernel is timed (run S4-5 timed some, section 7 of bench/NOTES.md)
                 run(ps, args.slow_every + 2)
                 t1, _ = run(ps, 1)
                 tm, outs = run(ps, args.steps + 1)

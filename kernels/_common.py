@@ -67,38 +67,37 @@ def _online_update(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, IEEE: tl.const
 
 @triton.jit
 def _write_result(Out, Mid_o, Mid_lse, b, s, hq, mask_g, offs_d, mask_d, m_i, l_i, acc,
-                  stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                  NUM_SPLITS: tl.constexpr):
+                  stride_ob, stride_oh, n_q, num_splits, D: tl.constexpr):
+    """One split's result: straight to Out when there is one split, else to the
+    partials (see split_partials), whose offsets the kernel computes from num_splits."""
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     mask = mask_g[:, None] & mask_d[None, :]
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         tl.store(Out + b * stride_ob + hq[:, None] * stride_oh + offs_d[None, :],
                  o.to(Out.dtype.element_ty), mask=mask)
     else:
-        tl.store(Mid_o + b * stride_mb + hq[:, None] * stride_mh + s * stride_ms + offs_d[None, :],
-                 o, mask=mask)
+        part = (b * n_q + hq) * num_splits + s  # [BLOCK_G]
+        tl.store(Mid_o + part[:, None] * D + offs_d[None, :], o, mask=mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(Mid_lse + b * stride_lb + hq * stride_lh + s, lse, mask=mask_g)
+        tl.store(Mid_lse + part, lse, mask=mask_g)
 
 
-@triton.jit
-def _splitk_reduce_kernel(Mid_o, Mid_lse, Out,
-                          stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                          stride_ob, stride_oh,
-                          D: tl.constexpr, BLOCK_D: tl.constexpr,
-                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"])
+def _splitk_reduce_kernel(Mid_o, Mid_lse, Out, stride_ob, stride_oh, num_splits,
+                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0)
     hq = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < NUM_SPLITS
+    mask_s = offs_s < num_splits
     mask_d = offs_d < D
-    lse = tl.load(Mid_lse + b * stride_lb + hq * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    part = (b * tl.num_programs(1) + hq) * num_splits + offs_s
+    lse = tl.load(Mid_lse + part, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)
-    o = tl.load(Mid_o + b * stride_mb + hq * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
+    o = tl.load(Mid_o + part[:, None] * D + offs_d[None, :],
                 mask=mask_s[:, None] & mask_d[None, :], other=0.0)
     den = tl.sum(w, 0)
     den = tl.where(den > 0, den, 1.0)
@@ -106,14 +105,26 @@ def _splitk_reduce_kernel(Mid_o, Mid_lse, Out,
     tl.store(Out + b * stride_ob + hq * stride_oh + offs_d, res.to(Out.dtype.element_ty), mask=mask_d)
 
 
-def splitk_reduce(mid_o, mid_lse, out, num_splits: int):
-    B, Hq, _, D = mid_o.shape
-    BLOCK_D = max(16, next_pow2(D))
+# Split counts and compiled variants. A flash-decoding kernel's split count follows the
+# batch size and the context length, so it never is a constexpr here: it is the grid's
+# last dimension (tl.num_programs in the kernel), the partials are contiguous with
+# offsets computed in the kernel, and the reduce's BLOCK_S is fixed per call site. A new
+# batch size or context length then launches an already compiled kernel; as constexprs,
+# each new split count built a new variant at its first step (bench/NOTES.md, section 7).
+def split_partials(B: int, Hq: int, D: int, num_splits: int, device):
+    """Flash-decoding partials: mid_o [B, H_q, S, D], mid_lse [B, H_q, S], float32."""
+    return (torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=device),
+            torch.empty((B, Hq, num_splits), dtype=torch.float32, device=device))
+
+
+def splitk_reduce(mid_o, mid_lse, out, max_splits: int):
+    """Merge split partials into out [B, H_q, D]; max_splits bounds the split count of
+    the call site (BLOCK_S, a constexpr, is its power of two)."""
+    B, Hq, S, D = mid_o.shape
+    assert mid_o.is_contiguous() and mid_lse.is_contiguous()
     _splitk_reduce_kernel[(B, Hq)](
-        mid_o, mid_lse, out,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        D=D, BLOCK_D=BLOCK_D, NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)),
+        mid_o, mid_lse, out, out.stride(0), out.stride(1), S,
+        D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_S=max(2, next_pow2(max(S, max_splits))),
         num_warps=4 if D >= 128 else 2,
     )
     return out

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ._common import (LOG2E, _online_update, _write_result, choose_num_splits, next_pow2,
-                      splitk_reduce, use_triton)
+                      split_partials, splitk_reduce, use_triton)
 
 # Defaults from the H200 sweep (bench/NOTES.md, bench/results/kernels_h200_tune.json):
 # BLOCK_N 64, 3 pipeline stages, 4 warps, split-K merged in-launch, and as many splits as
@@ -48,15 +48,14 @@ def _fast_decode_kernel(
     stride_pkr, stride_pkh, stride_pkp,
     stride_pvr, stride_pvh, stride_pvp,
     stride_ob, stride_oh,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,
+    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FUSED_REDUCE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     n_kv = tl.num_programs(1)
+    num_splits = tl.num_programs(2)
 
     pool = tl.load(Req_pool_indices + b).to(tl.int64)
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
@@ -64,7 +63,7 @@ def _fast_decode_kernel(
     lp = tl.load(Packed_len + pool).to(tl.int32)
     lw = tl.maximum(seq_len - ws, 0)
     total = lp + lw
-    chunk = tl.cdiv(tl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(total, num_splits), BLOCK_N) * BLOCK_N
     start = s * chunk
     end = tl.minimum(start + chunk, total)
 
@@ -109,36 +108,38 @@ def _fast_decode_kernel(
         m_i, l_i, acc, _qk = _online_update(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, IEEE)
 
     _write_result(Out, Mid_o, Mid_lse, b, s, hq, mask_g, offs_d, mask_d, m_i, l_i, acc,
-                  stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                  NUM_SPLITS)
-    if NUM_SPLITS > 1 and FUSED_REDUCE:
-        # Split-K merge without a second launch: the last split of this (request, KV head)
-        # to finish (ticket from a per-(b, h) counter) merges all partials and resets the
-        # counter for the next launch. Barrier + acq_rel atomic publish this CTA's partials.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(Counters + b * n_kv + h, 1, sem="acq_rel", scope="gpu")
-        if ticket == NUM_SPLITS - 1:
+                  stride_ob, stride_oh, n_kv * G, num_splits, D)
+    if FUSED_REDUCE:
+        if num_splits > 1:
+            # Split-K merge without a second launch: the last split of this (request, KV
+            # head) to finish (ticket from a per-(b, h) counter) merges all partials and
+            # resets the counter for the next launch. Barrier + acq_rel atomic publish
+            # this CTA's partials.
             tl.debug_barrier()
-            mask = mask_g[:, None] & mask_d[None, :]
-            m_r = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-            l_r = tl.zeros([BLOCK_G], dtype=tl.float32)
-            acc_r = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-            for s2 in range(NUM_SPLITS):
-                lse_s = tl.load(Mid_lse + b * stride_lb + hq * stride_lh + s2, mask=mask_g,
-                                other=float("-inf"), cache_modifier=".cg")
-                o_s = tl.load(Mid_o + b * stride_mb + hq[:, None] * stride_mh + s2 * stride_ms
-                              + offs_d[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m_r, lse_s)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_r - m_safe)
-                w = tl.exp2(lse_s - m_safe)
-                acc_r = acc_r * alpha[:, None] + o_s * w[:, None]
-                l_r = l_r * alpha + w
-                m_r = m_new
-            res = acc_r / tl.where(l_r > 0, l_r, 1.0)[:, None]
-            tl.store(Out + b * stride_ob + hq[:, None] * stride_oh + offs_d[None, :],
-                     res.to(Out.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(Counters + b * n_kv + h, 0, sem="relaxed", scope="gpu")
+            ticket = tl.atomic_add(Counters + b * n_kv + h, 1, sem="acq_rel", scope="gpu")
+            if ticket == num_splits - 1:
+                tl.debug_barrier()
+                mask = mask_g[:, None] & mask_d[None, :]
+                m_r = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+                l_r = tl.zeros([BLOCK_G], dtype=tl.float32)
+                acc_r = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+                part0 = (b * n_kv * G + hq) * num_splits  # as in _write_result
+                for s2 in range(num_splits):
+                    lse_s = tl.load(Mid_lse + part0 + s2, mask=mask_g, other=float("-inf"),
+                                    cache_modifier=".cg")
+                    o_s = tl.load(Mid_o + (part0 + s2)[:, None] * D + offs_d[None, :], mask=mask,
+                                  other=0.0, cache_modifier=".cg")
+                    m_new = tl.maximum(m_r, lse_s)
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp2(m_r - m_safe)
+                    w = tl.exp2(lse_s - m_safe)
+                    acc_r = acc_r * alpha[:, None] + o_s * w[:, None]
+                    l_r = l_r * alpha + w
+                    m_r = m_new
+                res = acc_r / tl.where(l_r > 0, l_r, 1.0)[:, None]
+                tl.store(Out + b * stride_ob + hq[:, None] * stride_oh + offs_d[None, :],
+                         res.to(Out.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(Counters + b * n_kv + h, 0, sem="relaxed", scope="gpu")
 
 
 _COUNTERS = {}
@@ -192,12 +193,8 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
     ieee = q.dtype == torch.float32
     if fused_reduce is None:
         fused_reduce = FUSED_REDUCE_DEFAULT
-    if num_splits > 1:
-        mid_o = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        mid_o, mid_lse = out, out  # unused
-    fused = bool(fused_reduce) and num_splits > 1
+    mid_o, mid_lse = split_partials(B, Hq, D, num_splits, q.device)
+    fused = bool(fused_reduce)
     if fused:
         if counters is None:
             counters = _counters(q.device, B * Hkv)
@@ -219,13 +216,9 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
         packed_k.stride(0), packed_k.stride(1), packed_k.stride(2),
         packed_v.stride(0), packed_v.stride(1), packed_v.stride(2),
         out.stride(0), out.stride(1),
-        mid_o.stride(0) if num_splits > 1 else 0, mid_o.stride(1) if num_splits > 1 else 0,
-        mid_o.stride(2) if num_splits > 1 else 0,
-        mid_lse.stride(0) if num_splits > 1 else 0, mid_lse.stride(1) if num_splits > 1 else 0,
-        G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-        NUM_SPLITS=num_splits, IEEE=ieee, FUSED_REDUCE=fused,
+        G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, IEEE=ieee, FUSED_REDUCE=fused,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and not fused:
-        splitk_reduce(mid_o, mid_lse, out, num_splits)
+        splitk_reduce(mid_o, mid_lse, out, MAX_SPLITS_DEFAULT)
     return out

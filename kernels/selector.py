@@ -63,7 +63,7 @@ def _acc(m_run, l_run, m, l):
 @triton.jit
 def _row_stats_kernel(Logits, Lo, Hi, Stat_m, Stat_l,
                       stride_lb, stride_lh, stride_lr, H, R, N, CHUNK,
-                      NS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                      BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     bh = tl.program_id(0)
     s = tl.program_id(1)
     b = bh // H
@@ -86,7 +86,7 @@ def _row_stats_kernel(Logits, Lo, Hi, Stat_m, Stat_l,
         p = tl.where(x == float("-inf"), 0.0, tl.exp(x - ms[:, None]))
         l_i = l_i * tl.exp(m_i - ms) + tl.sum(p, 1)
         m_i = m_new
-    o = (bh * BLOCK_R + offs_r) * NS + s
+    o = (bh * BLOCK_R + offs_r) * BLOCK_S + s
     tl.store(Stat_m + o, m_i, mask=mask_r)
     tl.store(Stat_l + o, l_i, mask=mask_r)
 
@@ -97,10 +97,10 @@ def _evid_prior_kernel(Logits, Norms, Tok, Lo, Hi, Stat_m, Stat_l, LF, Z, Part_m
                        H, R, N, CHUNK,
                        alpha, w_l2g, w_pos, pos_beta, pos_power, pos_tail,
                        GEOMETRIC: tl.constexpr, USE_PRIOR: tl.constexpr, GATHER: tl.constexpr,
-                       NS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+                       BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     bh = tl.program_id(0)
     s = tl.program_id(1)
+    ns = tl.num_programs(1)
     b = bh // H
     h = bh % H
     lo = tl.load(Lo + b).to(tl.int32)
@@ -109,8 +109,8 @@ def _evid_prior_kernel(Logits, Norms, Tok, Lo, Hi, Stat_m, Stat_l, LF, Z, Part_m
     mask_r = offs_r < R
     offs_s = tl.arange(0, BLOCK_S)
     # row lse over all splits
-    so = (bh * BLOCK_R + offs_r[:, None]) * NS + offs_s[None, :]
-    smask = mask_r[:, None] & (offs_s < NS)[None, :]
+    so = (bh * BLOCK_R + offs_r[:, None]) * BLOCK_S + offs_s[None, :]
+    smask = mask_r[:, None] & (offs_s < ns)[None, :]
     sm = tl.load(Stat_m + so, mask=smask, other=float("-inf"))
     sl = tl.load(Stat_l + so, mask=smask, other=0.0)
     M = tl.max(sm, 1)
@@ -177,42 +177,42 @@ def _evid_prior_kernel(Logits, Norms, Tok, Lo, Hi, Stat_m, Stat_l, LF, Z, Part_m
             m_fz, l_fz = _acc(m_fz, l_fz, mp, lp)
             mp, lp = _part(2.0 * z, cand)
             m_zz, l_zz = _acc(m_zz, l_zz, mp, lp)
-    po = (bh * 8) * NS + s
+    po = (bh * 8) * BLOCK_S + s
     tl.store(Part_m + po, m_f)
     tl.store(Part_l + po, l_f)
-    tl.store(Part_m + po + NS, m_z)
-    tl.store(Part_l + po + NS, l_z)
-    tl.store(Part_m + po + 2 * NS, m_ff)
-    tl.store(Part_l + po + 2 * NS, l_ff)
-    tl.store(Part_m + po + 3 * NS, m_fz)
-    tl.store(Part_l + po + 3 * NS, l_fz)
-    tl.store(Part_m + po + 4 * NS, m_zz)
-    tl.store(Part_l + po + 4 * NS, l_zz)
+    tl.store(Part_m + po + BLOCK_S, m_z)
+    tl.store(Part_l + po + BLOCK_S, l_z)
+    tl.store(Part_m + po + 2 * BLOCK_S, m_ff)
+    tl.store(Part_l + po + 2 * BLOCK_S, l_ff)
+    tl.store(Part_m + po + 3 * BLOCK_S, m_fz)
+    tl.store(Part_l + po + 3 * BLOCK_S, l_fz)
+    tl.store(Part_m + po + 4 * BLOCK_S, m_zz)
+    tl.store(Part_l + po + 4 * BLOCK_S, l_zz)
 
 
 @triton.jit
 def _fuse_kernel(LF, Z, Sc, Part_m, Part_l, LamMax, H, N, CHUNK,
                  USE_PRIOR: tl.constexpr, GEOMETRIC_FUSION: tl.constexpr,
-                 NS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+                 BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
     bh = tl.program_id(0)
     s = tl.program_id(1)
     b = bh // H
     offs_s = tl.arange(0, BLOCK_S)
-    msk = offs_s < NS
-    pb = (bh * 8) * NS
+    msk = offs_s < tl.num_programs(1)
+    pb = (bh * 8) * BLOCK_S
     A = _lse_combine(tl.load(Part_m + pb + offs_s, mask=msk, other=float("-inf")),
                      tl.load(Part_l + pb + offs_s, mask=msk, other=0.0))
     A = tl.where(A == float("-inf"), 0.0, A)
     if USE_PRIOR:
-        Bz = _lse_combine(tl.load(Part_m + pb + NS + offs_s, mask=msk, other=float("-inf")),
-                          tl.load(Part_l + pb + NS + offs_s, mask=msk, other=0.0))
+        Bz = _lse_combine(tl.load(Part_m + pb + BLOCK_S + offs_s, mask=msk, other=float("-inf")),
+                          tl.load(Part_l + pb + BLOCK_S + offs_s, mask=msk, other=0.0))
         Bz = tl.where(Bz == float("-inf"), 0.0, Bz)
-        Lff = _lse_combine(tl.load(Part_m + pb + 2 * NS + offs_s, mask=msk, other=float("-inf")),
-                           tl.load(Part_l + pb + 2 * NS + offs_s, mask=msk, other=0.0))
-        Lfz = _lse_combine(tl.load(Part_m + pb + 3 * NS + offs_s, mask=msk, other=float("-inf")),
-                           tl.load(Part_l + pb + 3 * NS + offs_s, mask=msk, other=0.0))
-        Lzz = _lse_combine(tl.load(Part_m + pb + 4 * NS + offs_s, mask=msk, other=float("-inf")),
-                           tl.load(Part_l + pb + 4 * NS + offs_s, mask=msk, other=0.0))
+        Lff = _lse_combine(tl.load(Part_m + pb + 2 * BLOCK_S + offs_s, mask=msk, other=float("-inf")),
+                           tl.load(Part_l + pb + 2 * BLOCK_S + offs_s, mask=msk, other=0.0))
+        Lfz = _lse_combine(tl.load(Part_m + pb + 3 * BLOCK_S + offs_s, mask=msk, other=float("-inf")),
+                           tl.load(Part_l + pb + 3 * BLOCK_S + offs_s, mask=msk, other=0.0))
+        Lzz = _lse_combine(tl.load(Part_m + pb + 4 * BLOCK_S + offs_s, mask=msk, other=float("-inf")),
+                           tl.load(Part_l + pb + 4 * BLOCK_S + offs_s, mask=msk, other=0.0))
         sff = tl.exp(Lff - 2.0 * A)
         sfr = tl.exp(Lfz - A - Bz)
         srr = tl.exp(Lzz - 2.0 * Bz)
@@ -248,15 +248,14 @@ def _fuse_kernel(LF, Z, Sc, Part_m, Part_l, LamMax, H, N, CHUNK,
             sc = log_f
         tl.store(Sc + obase + offs_n, sc, mask=in_n)
     if GEOMETRIC_FUSION:
-        tl.store(Part_m + pb + 5 * NS + s, m_s)
-        tl.store(Part_l + pb + 5 * NS + s, l_s)
+        tl.store(Part_m + pb + 5 * BLOCK_S + s, m_s)
+        tl.store(Part_l + pb + 5 * BLOCK_S + s, l_s)
 
 
 @triton.jit
 def _nms_excl_kernel(Sc, Key, Part_m, Part_l, Lo, Hi, H, N, radius, nms_c, inv_temp, excl_x,
                      RENORM: tl.constexpr, USE_NMS: tl.constexpr, USE_EXCL: tl.constexpr,
-                     NS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
+                     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
     b = tl.program_id(0)
     nb = tl.program_id(1)
     offs_h = tl.arange(0, BLOCK_H)
@@ -273,8 +272,9 @@ def _nms_excl_kernel(Sc, Key, Part_m, Part_l, Lo, Hi, H, N, radius, nms_c, inv_t
     lse = tl.zeros([BLOCK_H], tl.float32)
     if RENORM:
         offs_s = tl.arange(0, BLOCK_S)
-        po = (bh[:, None] * 8 + 5) * NS + offs_s[None, :]
-        pm = mask_h[:, None] & (offs_s < NS)[None, :]
+        # columns past the split count hold the buffer's initial (-inf, 0): no mask needed
+        po = (bh[:, None] * 8 + 5) * BLOCK_S + offs_s[None, :]
+        pm = mask_h[:, None] & (offs_s < BLOCK_S)[None, :]
         pmv = tl.load(Part_m + po, mask=pm, other=float("-inf"))
         plv = tl.load(Part_l + po, mask=pm, other=0.0)
         M = tl.max(pmv, 1)
@@ -304,9 +304,12 @@ def _nms_excl_kernel(Sc, Key, Part_m, Part_l, Lo, Hi, H, N, radius, nms_c, inv_t
     tl.store(Key + bh.to(tl.int64)[:, None] * N + offs_n[None, :], key, mask=m2)
 
 
+MAX_SPLITS = 64  # the split partials' width, BLOCK_S: fixed, so no split count builds a new variant
+
+
 def _num_splits(BH, N, block_n, device):
     target = 8 * num_sms(torch.device(device) if not isinstance(device, torch.device) else device)
-    ns = max(1, min(triton.cdiv(N, block_n * 2), triton.cdiv(target, max(1, BH)), 64))
+    ns = max(1, min(triton.cdiv(N, block_n * 2), triton.cdiv(target, max(1, BH)), MAX_SPLITS))
     return 1 << (ns.bit_length() - 1)
 
 
@@ -329,12 +332,12 @@ def fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg, block_n=None, worksp
     BLOCK_R = max(2, next_pow2(R))
     NS = _num_splits(B * H, N, BLOCK_N, dev)
     CHUNK = triton.cdiv(triton.cdiv(N, NS), BLOCK_N) * BLOCK_N
-    BLOCK_S = max(2, next_pow2(NS))
+    BLOCK_S = MAX_SPLITS
     f32 = dict(dtype=torch.float32, device=dev)
-    stat_m = torch.empty((B * H, BLOCK_R, NS), **f32)
-    stat_l = torch.empty((B * H, BLOCK_R, NS), **f32)
-    part_m = torch.full((B * H, 8, NS), NEG, **f32)
-    part_l = torch.zeros((B * H, 8, NS), **f32)
+    stat_m = torch.empty((B * H, BLOCK_R, BLOCK_S), **f32)
+    stat_l = torch.empty((B * H, BLOCK_R, BLOCK_S), **f32)
+    part_m = torch.full((B * H, 8, BLOCK_S), NEG, **f32)
+    part_l = torch.zeros((B * H, 8, BLOCK_S), **f32)
     lf = torch.empty((B, H, N), **f32)
     z = torch.empty((B, H, N), **f32) if cfg.use_prior else lf
     sc = torch.empty((B, H, N), **f32)
@@ -344,7 +347,7 @@ def fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg, block_n=None, worksp
     nw = 4
     _row_stats_kernel[(B * H, NS)](
         logits, lo, hi, stat_m, stat_l, logits.stride(0), logits.stride(1), logits.stride(2),
-        H, R, N, CHUNK, NS=NS, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, num_warps=nw)
+        H, R, N, CHUNK, BLOCK_S=BLOCK_S, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, num_warps=nw)
     if upto < 2:
         return key
     gather = norm_tokens is not None
@@ -359,14 +362,14 @@ def fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg, block_n=None, worksp
         H, R, N, CHUNK,
         float(cfg.alpha if not geometric_ev else 1.0), float(cfg.w_l2 * cfg.key_norm_gamma),
         float(cfg.w_pos), float(cfg.pos_beta), float(cfg.pos_power), float(cfg.pos_tail),
-        GEOMETRIC=geometric_ev, USE_PRIOR=bool(cfg.use_prior), GATHER=gather, NS=NS, BLOCK_S=BLOCK_S,
+        GEOMETRIC=geometric_ev, USE_PRIOR=bool(cfg.use_prior), GATHER=gather, BLOCK_S=BLOCK_S,
         BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, num_warps=nw)
     if upto < 3:
         return key
     geo = bool(cfg.use_prior) and cfg.fusion == "geometric"
     _fuse_kernel[(B * H, NS)](
         lf, z, sc, part_m, part_l, lam_max, H, N, CHUNK, USE_PRIOR=bool(cfg.use_prior),
-        GEOMETRIC_FUSION=geo, NS=NS, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, num_warps=nw)
+        GEOMETRIC_FUSION=geo, BLOCK_S=BLOCK_S, BLOCK_N=BLOCK_N, num_warps=nw)
     if upto < 4:
         return key
     use_nms = bool(cfg.use_nms) and cfg.nms_radius > 0 and cfg.nms_strength != 0
@@ -375,6 +378,6 @@ def fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg, block_n=None, worksp
     _nms_excl_kernel[(B, triton.cdiv(N, BN4))](
         sc, key, part_m, part_l, lo, hi, H, N, int(cfg.nms_radius), float(cfg.nms_strength),
         1.0 / float(cfg.excl_temperature), float(cfg.excl_strength),
-        RENORM=geo, USE_NMS=use_nms, USE_EXCL=use_excl, NS=NS, BLOCK_S=BLOCK_S,
+        RENORM=geo, USE_NMS=use_nms, USE_EXCL=use_excl, BLOCK_S=BLOCK_S,
         BLOCK_H=max(2, next_pow2(H)), BLOCK_N=BN4, num_warps=4)
     return key

@@ -13,7 +13,9 @@ import triton
 import triton.language as tl
 
 from ._common import (LOG2E, _online_update, _write_result, choose_num_splits, next_pow2,
-                      splitk_reduce, use_triton)
+                      split_partials, splitk_reduce, use_triton)
+
+MAX_SPLITS = 128
 
 
 @triton.jit
@@ -24,19 +26,19 @@ def _dense_scores_kernel(
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     stride_rt,
     stride_ob, stride_oh,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     stride_sb, stride_sh, N_max,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
-    WRITE_SCORES: tl.constexpr,
+    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WRITE_SCORES: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
+    n_kv = tl.num_programs(1)
+    num_splits = tl.num_programs(2)
 
     pool = tl.load(Req_pool_indices + b).to(tl.int64)
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = s * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -71,9 +73,9 @@ def _dense_scores_kernel(
                      mask=mask_g[:, None] & mask_n[None, :])
 
     if WRITE_SCORES:
-        # Tail [seq_len, N_max) -> -inf, split evenly over the NUM_SPLITS programs.
+        # Tail [seq_len, N_max) -> -inf, split evenly over the num_splits programs.
         tail = tl.maximum(N_max - seq_len, 0)
-        tchunk = tl.cdiv(tl.cdiv(tail, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        tchunk = tl.cdiv(tl.cdiv(tail, num_splits), BLOCK_N) * BLOCK_N
         t_lo = seq_len + s * tchunk
         t_hi = tl.minimum(t_lo + tchunk, N_max)
         neg = tl.full([BLOCK_G, BLOCK_N], float("-inf"), dtype=tl.float32)
@@ -83,8 +85,7 @@ def _dense_scores_kernel(
                      mask=mask_g[:, None] & (offs_n < t_hi)[None, :])
 
     _write_result(Out, Mid_o, Mid_lse, b, s, hq, mask_g, offs_d, mask_d, m_i, l_i, acc,
-                  stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                  NUM_SPLITS)
+                  stride_ob, stride_oh, n_kv * G, num_splits, D)
 
 
 def _dense_launch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
@@ -97,16 +98,12 @@ def _dense_launch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
         # H200, 128K B=8, with scores: 16 splits 1062 us, 8: 1079, 5: 1197-1211, 17: 1245
         # (bench/NOTES.md): ~8 programs per SM, rounded down to a power of two.
         num_splits = choose_num_splits(B * Hkv, max_len, BLOCK_N, q.device,
-                                       min_blocks_per_split=4, max_splits=128, programs_per_sm=8)
+                                       min_blocks_per_split=4, max_splits=MAX_SPLITS, programs_per_sm=8)
         num_splits = 1 << (num_splits.bit_length() - 1)
     BLOCK_G = max(16, next_pow2(G))
     BLOCK_D = max(16, next_pow2(D))
     ieee = q.dtype == torch.float32
-    if num_splits > 1:
-        mid_o = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        mid_o, mid_lse = out, out
+    mid_o, mid_lse = split_partials(B, Hq, D, num_splits, q.device)
     sc = scores if write_scores else out
     grid = (B, Hkv, num_splits)
     _dense_scores_kernel[grid](
@@ -116,17 +113,14 @@ def _dense_launch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0),
         out.stride(0), out.stride(1),
-        mid_o.stride(0) if num_splits > 1 else 0, mid_o.stride(1) if num_splits > 1 else 0,
-        mid_o.stride(2) if num_splits > 1 else 0,
-        mid_lse.stride(0) if num_splits > 1 else 0, mid_lse.stride(1) if num_splits > 1 else 0,
         sc.stride(0) if write_scores else 0, sc.stride(1) if write_scores else 0,
         scores.shape[2] if write_scores else 0,
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-        NUM_SPLITS=num_splits, IEEE=ieee, WRITE_SCORES=write_scores,
+        IEEE=ieee, WRITE_SCORES=write_scores,
         num_warps=num_warps or 4, num_stages=num_stages or 2,
     )
     if num_splits > 1:
-        splitk_reduce(mid_o, mid_lse, out, num_splits)
+        splitk_reduce(mid_o, mid_lse, out, MAX_SPLITS)
     return out
 
 

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import num_sms
+from ._common import next_pow2, num_sms
 
 NB = 64          # histogram bins per pass
 NPASS = 6        # digit widths 6, 6, 5, 5, 5, 5 (sum 32)
@@ -74,7 +74,7 @@ def _derive(Hist, row, rows, k, NDONE: tl.constexpr, NBINS: tl.constexpr):
     return prefix, r
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _hist_kernel(Key, Hist, rows, N, CHUNK, k,
                  PASS: tl.constexpr, SHIFT: tl.constexpr, PREV_SHIFT: tl.constexpr,
                  DMASK: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr,
@@ -114,7 +114,7 @@ def _threshold(Hist, row, rows, k, ALL: tl.constexpr, NBINS: tl.constexpr):
     return t, r
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "NC"])
 def _count_kernel(Key, Hist, Counts, rows, N, CHUNK, k, NC,
                   ALL: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -135,7 +135,7 @@ def _count_kernel(Key, Hist, Counts, rows, N, CHUNK, k, NC,
     tl.store(Counts + (row * NC + c) * 2 + 1, n_eq)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "NC"])
 def _write_kernel(Key, Hist, Counts, Out, rows, N, CHUNK, k, NC,
                   ALL: tl.constexpr, NBINS: tl.constexpr, BLOCK: tl.constexpr,
                   BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -177,6 +177,13 @@ def _write_kernel(Key, Hist, Counts, Out, rows, N, CHUNK, k, NC,
 
 
 _USE_HIST = [True]
+
+
+# rows (B x H) and the chunk count follow the batch and the context: neither is a
+# constexpr or specialized on (do_not_specialize above), and BLOCK_C covers the most
+# chunks _grid makes on this device, so a new batch or context builds no new variant.
+def _max_chunks(device):
+    return next_pow2(4 * num_sms(device))
 
 
 def _grid(rows, N, block, device):
@@ -221,6 +228,6 @@ def topk_positions(key: torch.Tensor, k: int, block: int = 1024, num_warps: int 
     _count_kernel[(rows, nc)](key, hist, counts, rows, N, chunk, k, nc, ALL=all_taken,
                               NBINS=NB, BLOCK=block, num_warps=num_warps)
     _write_kernel[(rows, nc)](key, hist, counts, out, rows, N, chunk, k, nc, ALL=all_taken,
-                              NBINS=NB, BLOCK=block, BLOCK_C=max(2, triton.next_power_of_2(nc)),
+                              NBINS=NB, BLOCK=block, BLOCK_C=_max_chunks(key.device),
                               BLOCK_K=1024, num_warps=num_warps)
     return out

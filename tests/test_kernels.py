@@ -399,3 +399,77 @@ def test_topk_positions_onehot_fallback_and_signed_zero():
         assert K.topk_positions(key, 3, block=64, use_hist=uh).cpu().tolist() == [[[0, 2, 4]]]
         assert K.topk_positions(key, 4, block=64, use_hist=uh).cpu().tolist() == [[[0, 2, 4, 5]]]
         assert K.topk_positions(key, 9, block=64, use_hist=uh).cpu().tolist() == [[[0, 1, 2, 4, 5, 6, -1, -1, -1]]]
+
+
+# ---------------------------------------------------------------------------- compiled variants
+
+def _variant_key(fn, args, kwargs):
+    """Triton's cache key for one launch, less the device: each positional argument as
+    Triton specializes it (native_specialize_impl: ints on == 1 and divisibility by 16,
+    pointers on 16-byte alignment; none for do_not_specialize), plus the constexprs and
+    launch options passed by keyword."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    dns = getattr(fn, "kwargs", {}).get("do_not_specialize") or getattr(fn, "do_not_specialize", ()) or ()
+    dns = {fn.arg_names[d] if isinstance(d, int) else d for d in dns}
+    spec = tuple(native_specialize_impl(BaseBackend, a, False, n not in dns, n not in dns)
+                 for n, a in zip(fn.arg_names, args))
+    return spec, tuple(sorted(kwargs.items()))
+
+
+def test_batch_and_context_build_no_new_kernel_variant(monkeypatch):
+    """Every kernel a decode step launches (fast step; slow step: dense attention with
+    scores, the fused Selector, top-k, pack; dense layers; key norms), driven as the backend
+    drives it over batch sizes 1-8 and contexts 300-1500, compiles to ONE variant: its
+    constexprs and Triton's specializations do not follow the batch or the context. (As
+    constexprs, the split counts built a new variant at the first step of each new batch x
+    context, a compile inside the decode loop: bench/NOTES.md, section 7.)"""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from sfi_sglang.config import SFIConfig
+
+    keys = {}
+    for cls in (InterpretedFunction, JITFunction):
+        orig = cls.run
+
+        def run(self, *args, grid, warmup, _orig=orig, **kwargs):
+            keys.setdefault(self.fn.__name__, set()).add(_variant_key(self, args, kwargs))
+            return _orig(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+        monkeypatch.setattr(cls, "run", run)
+    cfg = SFIConfig()
+    Hkv, G, D, S, W, Kc, bucket = 2, 4, 32, 4, 32, 64, 512
+    P = S + Kc
+    for B in (1, 3, 8):
+        for n in (300, 700, 1500):
+            seq_lens = [n - 7 * i for i in range(B)]
+            st = make_state(B, Hkv, G, D, P, seq_lens, seed=B * n)
+            positions, win_start, packed_len = sfi_layout(st, S, W, Kc, seq_lens, P)
+            common = (st["q"], st["k_cache"], st["v_cache"], st["req_to_token"],
+                      st["req_pool_indices"], st["seq_lens"])
+            K.fast_decode(*common, win_start, st["packed_k"], st["packed_v"], packed_len, D ** -0.5)
+            n_max = -(-max(seq_lens) // bucket) * bucket  # the backend's score buffer (SCORE_BUCKET)
+            _, scores = K.dense_decode_with_scores(*common, D ** -0.5, max_len=n_max)
+            K.dense_decode(*common, D ** -0.5, max_len=max(seq_lens))
+            norms = torch.rand(st["k_cache"].shape[0], Hkv, device=DEV) + 0.5
+            tokens = st["req_to_token"][st["req_pool_indices"], :n_max]
+            hi = (st["seq_lens"].long() - W).clamp_min(S)
+            lam_max = torch.full((B,), cfg.lambda_max_single, device=DEV)
+            key = K.fused_topk_key(scores.view(B, Hkv, G, n_max), norms, torch.full_like(hi, S), hi,
+                                   lam_max, cfg, norm_tokens=tokens)
+            sel = K.topk_positions(key, Kc)
+            K.pack(st["k_cache"], st["v_cache"], st["req_to_token"], st["req_pool_indices"],
+                   sel, st["packed_k"], st["packed_v"])
+            K.store_key_norms(st["k_cache"][:B], st["req_pool_indices"], norms)
+    launched = {"_fast_decode_kernel", "_dense_scores_kernel", "_row_stats_kernel",
+                "_evid_prior_kernel", "_fuse_kernel", "_nms_excl_kernel", "_hist_kernel",
+                "_count_kernel", "_write_kernel", "_pack_kernel", "_key_norms_kernel"}
+    assert launched <= set(keys), sorted(set(keys))
+    # one variant per kernel; the dense kernel has two (with and without scores) and the
+    # top-k histogram one per radix pass, whatever the batch and context
+    topk = importlib.import_module(K.__name__ + ".topk")
+    expected = {"_dense_scores_kernel": 2, "_hist_kernel": topk.NPASS}
+    counts = {name: len(v) for name, v in keys.items()}
+    assert counts == {name: expected.get(name, 1) for name in keys}
