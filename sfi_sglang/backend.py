@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -157,9 +158,11 @@ class SFIAttnBackend:
         self.by_rid: dict[str, tuple[int, Request]] = {}  # for meta_info, read by sfi_sglang.hooks
         self._cfg_cache: dict[str, tuple[bool, SFIConfig]] = {}
         # ||k|| per layer, KV slot and KV head, written with K: a request reusing a cached
-        # prefix reuses its norms (the Selector's prior reads them)
-        self.key_norms = torch.zeros(self.num_layers, k0.shape[0], k0.shape[1],
-                                     dtype=torch.float32, device=k0.device)
+        # prefix reuses its norms (the Selector's prior reads them). One tensor per layer,
+        # like SGLang's K and V buffers: each starts 16-byte aligned, so every layer
+        # launches the same kernel variant (Triton specializes on pointer alignment).
+        self.key_norms = [torch.zeros(k0.shape[0], k0.shape[1], dtype=torch.float32, device=k0.device)
+                          for _ in range(self.num_layers)]
 
         self.policy = self._make_policy(model_runner, max_slots)
         self.plan: Optional[DecodePlan] = None
@@ -170,6 +173,9 @@ class SFIAttnBackend:
         self.side_stream = None
         self._side_pending = False  # side-stream work not yet joined
         self.boundaries = self._boundary_summary(self.cfg.boundaries, 0)  # see install_boundaries
+        mc = model_runner.model_config
+        tp = getattr(getattr(model_runner, "server_args", None), "tp_size", 1)
+        self.warm_up(max(1, mc.num_attention_heads // tp))
         ACTIVE.append(self)
         logger.info("SFI backend: %s, dense backend %s, sparse memory %.1f MB (%s path)", self.cfg,
                     type(dense_backend).__name__, self.memory.bytes() / 2**20,
@@ -184,7 +190,7 @@ class SFIAttnBackend:
         nothing would be left. Called by sfi_sglang.hooks where SGLang sizes its pools."""
         mem = (slots + 1) * SparseMemory.slot_bytes(num_layers, num_kv_heads, head_dim, cfg, dtype, packed)
         kv_cell = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
-        norm_cell = num_layers * num_kv_heads * 4  # self.key_norms: float32 [L, tokens, H_kv]
+        norm_cell = num_layers * num_kv_heads * 4  # self.key_norms: L x float32 [tokens, H_kv]
         left = (available - mem) * kv_cell // (kv_cell + norm_cell)
         if left <= 0:
             raise SFIConfigError(
@@ -193,6 +199,53 @@ class SFIAttnBackend:
                 f"but the KV budget is {available / 2**30:.2f} GiB: lower --max-running-requests "
                 "or --sfi-budget, or raise --mem-fraction-static")
         return int(left)
+
+    def warm_up(self, num_q_heads: int) -> None:
+        """Compile the kernels of a prompt's selection and of every kind of decode row
+        (slow: dense attention with scores, the Selector, pack; fast; dense; key norms)
+        before serving. Otherwise the first request to need each one waits for its
+        compile, seconds each, once per process (bench/NOTES.md, section 7). No kernel
+        variant follows the batch or the context (tests/test_kernels.py). What remains
+        is the prompt length modulo 16 (Triton's specialization), whether the context
+        fits the budget (top-k takes every key), and score buffers capped at
+        req_to_token's width: five lengths cover them (tests/test_bench.py).
+        A request in slot 0 runs over the real pools before any request exists:
+        req_to_token's row 0 is still zeros, so every position reads KV slot 0 (SGLang's
+        padding slot). Slot 0 is reset afterwards. Kernel path (CUDA) only."""
+        mem, cfg = self.memory, self.cfg
+        sparse = [lid for lid in range(self.num_layers) if lid not in cfg.dense_layers]
+        if not mem.packed or not sparse or cfg.method != "sfi":
+            return
+        lid = sparse[0]
+        k_cache = self.token_to_kv_pool.get_key_buffer(lid)
+        hkv, d, dev, dtype = k_cache.shape[1], k_cache.shape[2], k_cache.device, k_cache.dtype
+        layer = SimpleNamespace(layer_id=lid, tp_q_head_num=num_q_heads, tp_k_head_num=hkv,
+                                qk_head_dim=d, v_head_dim=d, scaling=d ** -0.5)
+        width = self.req_to_token_pool.req_to_token.shape[1]
+        long = cfg.sinks + cfg.window + cfg.budget + 32
+        lengths = sorted({min(n, width) for n in (SCORE_BUCKET - 1, SCORE_BUCKET - 16, long - 1, long)})
+        zeros = lambda *shape, dt=torch.long: torch.zeros(*shape, dtype=dt, device=dev)
+        req = self.requests[0] = Request(cfg, True)
+        try:
+            for n in lengths + [width]:  # the last: score buffers capped at the row width
+                if n in lengths:  # a prompt's end: selection from its last rows' logits
+                    rows = min(cfg.bootstrap_rows, n)
+                    ext = SimpleNamespace(extend_start_loc=zeros(1), extend_seq_lens=torch.tensor([rows]),
+                                          req_pool_indices=zeros(1), seq_lens=torch.tensor([n]))
+                    self._bootstrap(zeros(rows, num_q_heads * d, dt=dtype), layer, ext)
+                for kinds in (["slow", "dense"], ["fast"]):  # decode rows of each kind
+                    b = len(kinds)
+                    self.plan = DecodePlan(kinds, [req] * b, zeros(b), zeros(b) + n, [n] * b, [0] * b, width)
+                    fb = SimpleNamespace(out_cache_loc=zeros(b))
+                    k = zeros(b, hkv * d, dt=dtype)
+                    self._store_key_norms(k, layer, fb, True)
+                    self.forward_decode(zeros(b, num_q_heads * d, dt=dtype), k, k, layer, fb,
+                                        save_kv_cache=False)
+                    self.join_maintenance()
+        finally:
+            self.plan = None
+            self.requests.pop(0, None)
+            mem.reset([0])
 
     # ------------------------------------------------------------------ SGLang services
     # The three places that need SGLang beyond the pools; sfi_sglang.bench's harness

@@ -338,7 +338,8 @@ class Setup:
         self.dense = DenseBackend(self.r2t_pool, self.kv, cap)
         runner = SimpleNamespace(device=torch.device(device), req_to_token_pool=self.r2t_pool,
                                  token_to_kv_pool=self.kv,
-                                 model_config=SimpleNamespace(num_hidden_layers=s.layers, vocab_size=s.vocab))
+                                 model_config=SimpleNamespace(num_hidden_layers=s.layers, vocab_size=s.vocab,
+                                                              num_attention_heads=s.heads))
         export_config(cfg)
         self.sfi = HarnessSFIBackend(runner, self.dense)
         self.fill(seed=1)

@@ -234,7 +234,8 @@ def _add_sfi_state(result, self, *args, **kwargs):
     memory = dict(MEMORY)
     if ACTIVE:  # what the backend allocated against what was reserved for it
         be = ACTIVE[-1]
-        memory.update(allocated=be.memory.bytes() + be.key_norms.numel() * be.key_norms.element_size(),
+        norms = sum(t.numel() * t.element_size() for t in be.key_norms)
+        memory.update(allocated=be.memory.bytes() + norms,
                       allocated_slots=be.memory.max_slots)
     result.internal_state[META_KEY] = {**radix.stats(), "memory": memory}
     return result
