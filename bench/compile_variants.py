@@ -1,10 +1,10 @@
 """Compile, for a GPU this machine need not have, every kernel variant one SFI decode step
 launches, and time each compile (bench/NOTES.md, section 7).
 
-The variants are those of tests/test_kernels.py::test_batch_and_context_build_no_new_kernel_variant
-(every kernel of a fast and a slow step, driven as the backend drives them over batches
-1-8 and contexts 300-1500, fp32, under the Triton interpreter): one process records each
-launch's Triton cache key, a second one compiles each key with Triton's compiler
+The variants are those of tests/test_kernels.py's launch_decode_step_kernels (every kernel
+of a fast and a slow step, driven as the backend drives them over batches 1-8 and contexts
+300-1500, fp32, under the Triton interpreter): one process records each launch's Triton
+cache key (recorded_variants), a second one compiles each key with Triton's compiler
 (`triton.compile` on an `ASTSource`) for the target given (default sm_90, the H200).
 
     python bench/compile_variants.py [--arch 90]
@@ -26,28 +26,11 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def record() -> list:
     sys.path.insert(0, str(REPO / "tests"))
-    from triton.runtime.interpreter import InterpretedFunction
-
     import test_kernels as T
 
-    keys, orig = {}, InterpretedFunction.run
-
-    def run(self, *args, grid, warmup, **kwargs):
-        spec, kw = T._variant_key(self, args, kwargs)
-        keys.setdefault(repr((self.fn.__module__, self.fn.__name__, spec, kw)),
-                        (self.fn.__module__.rsplit(".", 1)[-1], self.fn.__name__, spec, kw))
-        return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    class _NoPatch:  # the test installs its own recorder through monkeypatch: keep ours
-        def setattr(self, *a):
-            pass
-
-    InterpretedFunction.run = run
-    try:
-        T.test_batch_and_context_build_no_new_kernel_variant(_NoPatch())
-    except AssertionError:  # its recorder saw nothing; ours did
-        pass
-    return list(keys.values())
+    with T.recorded_variants() as keys:
+        T.launch_decode_step_kernels()
+    return [(mod, name, spec, kw) for name, v in keys.items() for mod, (spec, kw) in v]
 
 
 def compile_all(variants, arch: int) -> int:
@@ -60,9 +43,9 @@ def compile_all(variants, arch: int) -> int:
         fn = getattr(importlib.import_module(f"sfi_sglang.kernels.{mod}"), name)
         cx = {k: v for k, v in kw if k not in ("num_warps", "num_stages")}
         opts = {k: v for k, v in kw if k in ("num_warps", "num_stages")}
-        sig, attrs = {}, {}
-        for i, (arg, (ty, sp)) in enumerate(zip(fn.arg_names, spec)):
-            if ty == "constexpr":
+        attrs = {}
+        for i, (arg, (ty, sp)) in enumerate(zip(fn.arg_names, spec)):  # the positional ones
+            if ty == "constexpr":  # an argument Triton specialized to a constant (== 1)
                 cx[arg] = sp
             elif sp == "D":
                 attrs[(i,)] = [["tt.divisibility", 16]]

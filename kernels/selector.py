@@ -272,11 +272,10 @@ def _nms_excl_kernel(Sc, Key, Part_m, Part_l, Lo, Hi, H, N, radius, nms_c, inv_t
     lse = tl.zeros([BLOCK_H], tl.float32)
     if RENORM:
         offs_s = tl.arange(0, BLOCK_S)
-        # columns past the split count hold the buffer's initial (-inf, 0): no mask needed
+        # columns past the split count hold the buffer's initial (-inf, 0): no split mask
         po = (bh[:, None] * 8 + 5) * BLOCK_S + offs_s[None, :]
-        pm = mask_h[:, None] & (offs_s < BLOCK_S)[None, :]
-        pmv = tl.load(Part_m + po, mask=pm, other=float("-inf"))
-        plv = tl.load(Part_l + po, mask=pm, other=0.0)
+        pmv = tl.load(Part_m + po, mask=mask_h[:, None], other=float("-inf"))
+        plv = tl.load(Part_l + po, mask=mask_h[:, None], other=0.0)
         M = tl.max(pmv, 1)
         Ms = tl.where(M == float("-inf"), 0.0, M)
         tot = tl.sum(plv * tl.exp(pmv - Ms[:, None]), 1)

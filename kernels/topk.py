@@ -177,17 +177,18 @@ def _write_kernel(Key, Hist, Counts, Out, rows, N, CHUNK, k, NC,
 
 
 _USE_HIST = [True]
+PROGRAMS_PER_SM = 4  # _grid's target: rows x chunks
 
 
 # rows (B x H) and the chunk count follow the batch and the context: neither is a
 # constexpr or specialized on (do_not_specialize above), and BLOCK_C covers the most
 # chunks _grid makes on this device, so a new batch or context builds no new variant.
 def _max_chunks(device):
-    return next_pow2(4 * num_sms(device))
+    return next_pow2(PROGRAMS_PER_SM * num_sms(device))
 
 
 def _grid(rows, N, block, device):
-    target = 4 * num_sms(device)
+    target = PROGRAMS_PER_SM * num_sms(device)
     nc = max(1, min(triton.cdiv(target, max(1, rows)), triton.cdiv(N, block)))
     chunk = triton.cdiv(triton.cdiv(N, nc), block) * block
     nc = triton.cdiv(N, chunk)

@@ -174,9 +174,8 @@ import functools
 import sys
 from types import SimpleNamespace
 import torch
-from triton.runtime.interpreter import InterpretedFunction
 sys.path.insert(0, "tests")
-from test_kernels import _variant_key
+from test_kernels import recorded_variants
 from sfi_sglang import bench
 import sfi_sglang.backend as backend
 import sfi_sglang.selector as S
@@ -187,11 +186,6 @@ from sfi_sglang.memory import SparseMemory
 # CPU ones (interpreted), ask for them
 backend.select = functools.partial(backend.select, fused=True)
 S._top_k_from_key = lambda key, k: S._topk_kernel()(key, k)
-keys, orig = set(), InterpretedFunction.run
-def run(self, *args, grid, warmup, **kwargs):
-    keys.add((self.fn.__name__, _variant_key(self, args, kwargs)))
-    return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
-InterpretedFunction.run = run
 
 cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=(0,), refresh="interval",
                 max_interval=3, min_gap=1)
@@ -202,33 +196,31 @@ for n in (70, 600):  # score buffers capped at req_to_token's width, and not
     m = st.sfi.memory
     st.sfi.memory = SparseMemory(m.num_layers, m.sparse_layer_ids, m.max_slots, m.num_kv_heads,
                                  m.head_dim, cfg, "cpu", torch.float32, packed=True)
-    keys.clear()
-    st.sfi.warm_up(s.heads)
-    warm = set(keys)
+    with recorded_variants() as warm:
+        st.sfi.warm_up(s.heads)
     assert int(st.sfi.memory.sel_count[0]) == 0 and not st.sfi.requests, "slot 0 not reset"
-    keys.clear()
-    st.reset(torch.tensor([5, 7, 11]))
-    kinds = set()
-    for step in range(6):
-        st.sfi.init_forward_metadata(st.fb)
-        kinds |= set(st.sfi.plan.kinds)
-        g = torch.Generator().manual_seed(step)
-        for L in model.layers[1:]:  # layer 0 is dense: the harness's own dense backend
-            q = torch.randn(3, s.heads * s.head_dim, generator=g)
-            k = torch.randn(3, s.kv_heads, s.head_dim, generator=g)
-            st.sfi.forward_decode(q, k, k, L.attn, st.fb)
-        st.advance(torch.tensor([1, 2, 3]))
-    assert kinds == {"fast", "slow"}, kinds
-    # and a prompt's end (forward_extend's selection from its last rows)
-    rows = cfg.bootstrap_rows
-    ext = SimpleNamespace(extend_start_loc=torch.arange(3) * rows, extend_seq_lens=torch.full((3,), rows),
-                          req_pool_indices=st.fb.req_pool_indices, seq_lens=st.fb.seq_lens)
-    for L in model.layers[1:]:
-        st.sfi._bootstrap(torch.randn(3 * rows, s.heads * s.head_dim), L.attn, ext)
-    launched = {name for name, _ in keys}
-    assert {"_fast_decode_kernel", "_row_stats_kernel", "_write_kernel", "_pack_kernel"} <= launched
-    new = {name for name, _ in keys - warm}
-    assert not new, f"compiled after the warm-up: {sorted(new)}"
+    with recorded_variants() as keys:
+        st.reset(torch.tensor([5, 7, 11]))
+        kinds = set()
+        for step in range(6):
+            st.sfi.init_forward_metadata(st.fb)
+            kinds |= set(st.sfi.plan.kinds)
+            g = torch.Generator().manual_seed(step)
+            for L in model.layers[1:]:  # layer 0 is dense: the harness's own dense backend
+                q = torch.randn(3, s.heads * s.head_dim, generator=g)
+                k = torch.randn(3, s.kv_heads, s.head_dim, generator=g)
+                st.sfi.forward_decode(q, k, k, L.attn, st.fb)
+            st.advance(torch.tensor([1, 2, 3]))
+        assert kinds == {"fast", "slow"}, kinds
+        # and a prompt's end (forward_extend's selection from its last rows)
+        rows = cfg.bootstrap_rows
+        ext = SimpleNamespace(extend_start_loc=torch.arange(3) * rows, extend_seq_lens=torch.full((3,), rows),
+                              req_pool_indices=st.fb.req_pool_indices, seq_lens=st.fb.seq_lens)
+        for L in model.layers[1:]:
+            st.sfi._bootstrap(torch.randn(3 * rows, s.heads * s.head_dim), L.attn, ext)
+    assert {"_fast_decode_kernel", "_row_stats_kernel", "_write_kernel", "_pack_kernel"} <= set(keys)
+    new = sorted(name for name, v in keys.items() if not v <= warm.get(name, set()))
+    assert not new, f"compiled after the warm-up: {new}"
 print("OK")
 """
 

@@ -4,6 +4,7 @@ Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, s
 before the kernels are imported) at small shapes, in fp32, against float64 references.
 """
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -418,27 +419,37 @@ def _variant_key(fn, args, kwargs):
     return spec, tuple(sorted(kwargs.items()))
 
 
-def test_batch_and_context_build_no_new_kernel_variant(monkeypatch):
-    """Every kernel a decode step launches (fast step; slow step: dense attention with
-    scores, the fused Selector, top-k, pack; dense layers; key norms), driven as the backend
-    drives it over batch sizes 1-8 and contexts 300-1500, compiles to ONE variant: its
-    constexprs and Triton's specializations do not follow the batch or the context. (As
-    constexprs, the split counts built a new variant at the first step of each new batch x
-    context, a compile inside the decode loop: bench/NOTES.md, section 7.)"""
+@contextlib.contextmanager
+def recorded_variants():
+    """{kernel name: {(module, Triton cache key)}} of every launch inside the block, the
+    kernels interpreted or compiled (bench/compile_variants.py compiles what it holds)."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
+    keys, origs = {}, {cls: cls.run for cls in (InterpretedFunction, JITFunction)}
+
+    def recording(orig):
+        def run(self, *args, grid, warmup, **kwargs):
+            keys.setdefault(self.fn.__name__, set()).add(
+                (self.fn.__module__.rsplit(".", 1)[-1], _variant_key(self, args, kwargs)))
+            return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return run
+
+    for cls, orig in origs.items():
+        cls.run = recording(orig)
+    try:
+        yield keys
+    finally:
+        for cls, orig in origs.items():
+            cls.run = orig
+
+
+def launch_decode_step_kernels():
+    """Every kernel a decode step launches (fast step; slow step: dense attention with
+    scores, the fused Selector, top-k, pack; dense layers; key norms), driven as the
+    backend drives it, over batch sizes 1-8 and contexts 300-1500."""
     from sfi_sglang.config import SFIConfig
 
-    keys = {}
-    for cls in (InterpretedFunction, JITFunction):
-        orig = cls.run
-
-        def run(self, *args, grid, warmup, _orig=orig, **kwargs):
-            keys.setdefault(self.fn.__name__, set()).add(_variant_key(self, args, kwargs))
-            return _orig(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-        monkeypatch.setattr(cls, "run", run)
     cfg = SFIConfig()
     Hkv, G, D, S, W, Kc, bucket = 2, 4, 32, 4, 32, 64, 512
     P = S + Kc
@@ -463,6 +474,16 @@ def test_batch_and_context_build_no_new_kernel_variant(monkeypatch):
             K.pack(st["k_cache"], st["v_cache"], st["req_to_token"], st["req_pool_indices"],
                    sel, st["packed_k"], st["packed_v"])
             K.store_key_norms(st["k_cache"][:B], st["req_pool_indices"], norms)
+
+
+def test_batch_and_context_build_no_new_kernel_variant():
+    """Every kernel of a decode step (launch_decode_step_kernels) compiles to ONE variant
+    over batches 1-8 and contexts 300-1500: its constexprs and Triton's specializations
+    do not follow the batch or the context. (As constexprs, the split counts built a new
+    variant at the first step of each new batch x context, a compile inside the decode
+    loop: bench/NOTES.md, section 7.)"""
+    with recorded_variants() as keys:
+        launch_decode_step_kernels()
     launched = {"_fast_decode_kernel", "_dense_scores_kernel", "_row_stats_kernel",
                 "_evid_prior_kernel", "_fuse_kernel", "_nms_excl_kernel", "_hist_kernel",
                 "_count_kernel", "_write_kernel", "_pack_kernel", "_key_norms_kernel"}
