@@ -1,9 +1,9 @@
 """SFI kernel check + benchmark on one H200, in one call (see bench/NOTES.md).
 
-Run on the device machine from the repo root:
-    PYTHONUNBUFFERED=1 python3 bench/kernels_h200.py --out $OUT
+Run on the device machine from the repo root (no sglang needed):
+    source bench/layout.sh; sfi_site /tmp/sfi-site; PYTHONUNBUFFERED=1 python3 -P bench/kernels_h200.py --out $OUT
 
-Imports the kernel files directly (no sfi_sglang/__init__.py, no sglang needed). Does:
+Does:
   1. HBM copy bandwidth (device-to-device copy, bytes read + written).
   2. Correctness vs float64 references: small ragged GQA shapes (fp32/fp16/bf16) and
      real Qwen3-4B shapes (H_q=32, H_kv=8, D=128, bf16).
@@ -17,16 +17,13 @@ Writes kernels_h200.json and kernels_h200.png to --out, prints a table last.
 """
 
 import argparse
-import importlib.util
 import json
 import math
 import os
 import pathlib
 import statistics
-import sys
 import time
 import traceback
-import types
 
 if os.environ.get("SFI_BENCH_SMOKE") == "1":  # must precede the first triton import
     os.environ["TRITON_INTERPRET"] = "1"
@@ -40,28 +37,18 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_kernels():
-    name = "sfi_kernels_bench"
-    spec = importlib.util.spec_from_file_location(
-        name, REPO / "kernels" / "__init__.py", submodule_search_locations=[str(REPO / "kernels")])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    from sfi_sglang import kernels
+
+    return kernels
 
 
 def load_selector():
-    """Import sfi_sglang/selector.py without running sfi_sglang/__init__.py (sglang-free)."""
-    if "sfi_sglang" not in sys.modules:
-        pkg = types.ModuleType("sfi_sglang")
-        pkg.__path__ = [str(REPO / "sfi_sglang")]
-        sys.modules["sfi_sglang"] = pkg
     import sfi_sglang.config as config  # noqa
     import sfi_sglang.selector as selector  # noqa
     return selector, config
 
 
 def load_memory():
-    load_selector()
     import sfi_sglang.memory as memory  # noqa
     return memory
 
@@ -70,7 +57,6 @@ SMOKE = os.environ.get("SFI_BENCH_SMOKE") == "1"  # CPU interpreter dry run of t
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 K = load_kernels()
-sys.modules.setdefault("sfi_sglang.kernels", K)  # sfi_sglang/memory.py's load_kernels finds it
 DEV = "cpu" if SMOKE else "cuda"
 # real Qwen3-4B shapes; SMOKE shrinks them so the script's plumbing can be tried on a CPU
 DIMS = dict(Hkv=8, G=4, D=128, S=4, W=256, Kc=2048)

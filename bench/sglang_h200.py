@@ -1,32 +1,60 @@
-"""Issue #5 item 1: real SGLang 0.5.23, dense vs SFI, decode tokens/s at long context.
+"""Issue #5 item 1: real SGLang 0.5.23, dense vs SFI, decode step time at long context.
 
-One engine per call (`--engine`), through `sfi_sglang.Engine` (the product's entry point):
-  dense        SGLang's triton attention backend, eager (no CUDA graphs, no overlap
-               scheduler): the same server flags as SFI, which needs both off on CUDA
-  dense-graph  the same with CUDA graphs and the overlap scheduler on (SGLang's default)
-  sfi          the `sfi` backend; slow steps forced every --slow-every tokens
-               (refresh="interval": random weights make boundaries meaningless)
+Engines (`--engines`, comma-separated, run one after the other for each configuration in
+one Python process), all through `sfi_sglang.Engine` (the product's entry point):
+  dense-graph  SGLang's default dense server: triton attention, decode CUDA graphs and the
+               overlap scheduler on (disable_sfi=True)
+  sfi          the `sfi` backend, with whatever CUDA-graph / overlap settings sfi_sglang.Engine
+               leaves on (this script sets neither); slow steps forced every --slow-every
+               tokens (refresh="interval": random weights make boundaries meaningless)
+  dense        triton attention, eager (no CUDA graphs, no overlap scheduler)
+On CUDA every engine captures decode graphs only for batch 1 and the configuration's batch
+(cuda_graph_bs_decode) and no prefill graphs (disable_prefill_cuda_graph: their capture ran
+out of memory at mem-fraction 0.85). On a CPU (SGLang's CPU engine) no CUDA flag is set.
 Model: a Qwen3-4B config with SGLang's dummy (random) weights, bf16; the tokenizer only
 serves SFI's boundary table (skip_tokenizer_init: prompts and outputs are token ids).
 
-Decode time per step, for each CONTEXTxBATCH: the batch's prompts are prefilled once
-(max_new_tokens=1, filling the radix cache); then t1 = the same request again (prefix
-cached: one token of extend + the first token) and tM = with max_new_tokens=M; a decode
-step is (tM - t1) / (M - 1). Batch 1 reuses the batch's first prompt (cached).
+One engine per CONTEXTxBATCH and engine, with context_length = CONTEXT + the decoded tokens
++ 64, rounded up to a multiple of 256 (per-context buffers, e.g. SFI's slow-step score
+buffer, are sized by it); shut down (and its GPU memory freed) before the next one.
+Decode time per step: the batch's prompts are prefilled once (max_new_tokens=1, filling the
+radix cache); a warm-up decode runs past one slow step (no first-call compile is timed);
+then t1 = the same request again (prefix cached: one token of extend + the first token)
+and tM = with max_new_tokens=M; a decode step is (tM - t1) / (M - 1). Batch 1 reuses the
+batch's first prompt (cached).
 
-On the H200: bench/sglang_h200.sh (it unpacks SGLang and its Python dependencies, puts
-the sgl_kernel stand-in in place and runs this). On a CPU (smoke test of this script):
-  python bench/sglang_h200.py --shape tiny --configs 256x2 --steps 8 --engine sfi
+Output (--out): sglang_h200.json, rewritten after every measurement (a killed run keeps its
+rows): per (context, batch) row step_ms per engine and ratio[dense engine] = dense_ms /
+sfi_ms (> 1: SFI is faster). --profile CONTEXTxBATCH: at that configuration, after the
+timing, a torch.profiler trace of --profile-steps decode steps of each --profile-engines
+engine through SGLang's own profiler (Engine.start_profile / stop_profile), written to
+OUT/profile/*.trace.json.gz, and OUT/profile_ENGINE_CONTEXTxBATCH.json: the top kernels by
+total GPU time (kernels replayed inside a CUDA graph appear only if CUPTI reports them).
+A failing engine launch, measurement or profile is logged and recorded, and the run goes on.
+bench/plot_sglang_h200.py draws the JSON.
+
+On the H200 (bench/sglang_h200.sh unpacks SGLang and its Python dependencies, lays out
+sfi_sglang and the sgl_kernel stand-in, and runs this once with every engine; $OUT gets the
+JSON, the log and the profile):
+  run(command="bash bench/sglang_h200.sh -- --configs 8192x16,32768x4,131072x1 "
+              "--engines dense-graph,sfi --steps 48 --profile 32768x4", carry=[".sgl"])
+On a CPU (smoke test of this script):
+  python bench/sglang_h200.py --shape tiny --configs 256x2 --steps 8 --engines dense,sfi
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import glob
+import gzip
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
+import traceback
 
 SHAPES = {
     # Qwen3-4B (config.json of Qwen/Qwen3-4B; longer positions for 128K contexts)
@@ -37,6 +65,9 @@ SHAPES = {
                  num_key_value_heads=2, head_dim=16, vocab_size=49152, tie_word_embeddings=True),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+ENGINES = ("dense", "dense-graph", "sfi")
+DENSE_ENGINES = ("dense-graph", "dense")  # the reference of `ratio`, in this order
+MARGIN = 64  # tokens of context_length beyond the prompt and the decoded tokens
 
 
 def model_dir(shape: str, tokenizer_dir: str, max_pos: int) -> str:
@@ -53,19 +84,28 @@ def model_dir(shape: str, tokenizer_dir: str, max_pos: int) -> str:
     return path
 
 
-def engine_kwargs(args, path: str, max_tokens: int, max_batch: int) -> dict:
+def context_length(args, n: int) -> int:
+    """The engine's context_length for prompts of n tokens: room for the longest request
+    (warm-up or timed), rounded up to a multiple of 256."""
+    need = n + max(args.steps + 1, args.slow_every + 2) + MARGIN
+    return -(-need // 256) * 256
+
+
+def engine_kwargs(args, engine: str, path: str, ctx: int, batch: int) -> dict:
     kw = dict(model_path=path, load_format="dummy", skip_tokenizer_init=True,
-              sampling_backend="pytorch", context_length=max_tokens, max_running_requests=max_batch,
+              sampling_backend="pytorch", context_length=ctx, max_running_requests=batch,
               log_level="warning")
     import torch
 
     if torch.cuda.is_available():
         kw.update(dtype="bfloat16", mem_fraction_static=args.mem_fraction)
-        if args.engine != "dense-graph":
+        if engine == "dense":
             kw.update(disable_cuda_graph=True, disable_overlap_schedule=True)
         else:
-            kw.update(cuda_graph_max_bs=max_batch)
-    if args.engine == "sfi":
+            # SGLang 0.5.23: the decode graphs of these batch sizes only (startup time);
+            # no prefill graphs (their capture ran out of memory at mem-fraction 0.85)
+            kw.update(cuda_graph_bs_decode=sorted({1, batch}), disable_prefill_cuda_graph=True)
+    if engine == "sfi":
         from sfi_sglang.config import SFIConfig
 
         kw.update(sfi_refresh="interval", sfi_max_interval=args.slow_every,
@@ -75,80 +115,236 @@ def engine_kwargs(args, path: str, max_tokens: int, max_batch: int) -> dict:
     return kw
 
 
+def gpu_used_mib() -> list[int]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+        return [int(x) for x in out.split()]
+    except Exception:
+        return []
+
+
+def free_engine(engine) -> None:
+    """Shut an engine down and give its memory back before the next one is launched."""
+    try:
+        engine.shutdown()
+    finally:
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        if torch.cuda.is_available():  # the scheduler process's memory, seen from outside
+            for _ in range(60):
+                used = gpu_used_mib()
+                if not used or max(used) < 4096:
+                    break
+                time.sleep(1)
+
+
+def summarize_trace(path: str, top: int = 30) -> dict:
+    """Top kernels by total GPU time in a chrome trace of torch.profiler (kineto); without
+    GPU kernels (a CPU run) the top CPU ops instead."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    cats: dict[str, int] = {}
+    by_cat: dict[str, dict[str, list]] = {}
+    graph_launches = 0
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat = str(e.get("cat", ""))
+        cats[cat] = cats.get(cat, 0) + 1
+        name = str(e.get("name", ""))
+        if cat == "cuda_runtime" and name.startswith("cudaGraphLaunch"):
+            graph_launches += 1
+        acc = by_cat.setdefault(cat, {}).setdefault(name, [0, 0.0])
+        acc[0] += 1
+        acc[1] += float(e.get("dur", 0.0))
+    kind = "kernel" if by_cat.get("kernel") else "cpu_op"
+    table = by_cat.get(kind, {})
+    total = sum(v[1] for v in table.values())
+    rows = sorted(table.items(), key=lambda kv: -kv[1][1])[:top]
+    return dict(trace=os.path.basename(path), kind=kind, total_us=round(total, 1),
+                graph_launches=graph_launches, event_counts=cats,
+                gpu_us={c: round(sum(v[1] for v in by_cat.get(c, {}).values()), 1)
+                        for c in ("kernel", "gpu_memcpy", "gpu_memset")},
+                top=[dict(name=k, count=v[0], total_us=round(v[1], 1),
+                          share=round(v[1] / total, 4) if total else 0.0) for k, v in rows])
+
+
+def profile_decode(args, engine, run, name: str, n: int, b: int, prompts) -> dict:
+    """A torch.profiler trace of a few decode steps inside SGLang (its profiler API), and
+    its kernel summary."""
+    prof_dir = os.path.abspath(os.path.join(args.out, "profile"))
+    os.makedirs(prof_dir, exist_ok=True)
+    prefix = f"{name}-{n}x{b}"
+    before = set(glob.glob(os.path.join(prof_dir, "*")))
+    engine.start_profile(output_dir=prof_dir, activities=["CPU", "GPU"], with_stack=False,
+                         record_shapes=False, profile_prefix=prefix)
+    try:
+        dt, _ = run(prompts, args.profile_steps + 1)
+    finally:
+        engine.stop_profile()
+    traces = [p for p in glob.glob(os.path.join(prof_dir, "*.json*")) if p not in before]
+    for _ in range(30):  # written by the scheduler process
+        if traces:
+            break
+        time.sleep(1)
+        traces = [p for p in glob.glob(os.path.join(prof_dir, "*.json*")) if p not in before]
+    if not traces:
+        raise RuntimeError(f"no trace written to {prof_dir}")
+    trace = max(traces, key=os.path.getmtime)
+    summary = dict(engine=name, context=n, batch=b, decode_steps=args.profile_steps,
+                   wall_s=round(dt, 3), **summarize_trace(trace))
+    with open(os.path.join(args.out, f"profile_{name}_{n}x{b}.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--engine", choices=("dense", "dense-graph", "sfi"), required=True)
+    p.add_argument("--engines", default="dense-graph,sfi",
+                   help=f"comma-separated, run in this order for each configuration: {', '.join(ENGINES)}")
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
-    p.add_argument("--configs", default="8192x64,32768x20,131072x5",
+    p.add_argument("--configs", default="8192x16,32768x4,131072x1",
                    help="CONTEXTxBATCH, comma-separated; batch 1 at each context is measured too")
-    p.add_argument("--steps", type=int, default=96, help="timed decode steps (M - 1)")
+    p.add_argument("--steps", type=int, default=48, help="timed decode steps (M - 1)")
     p.add_argument("--slow-every", type=int, default=24)
-    p.add_argument("--mem-fraction", type=float, default=0.85)
+    p.add_argument("--mem-fraction", type=float, default=0.8)
+    p.add_argument("--profile", default="", metavar="CONTEXTxBATCH",
+                   help="profile decode steps at this configuration (one of --configs)")
+    p.add_argument("--profile-engines", default="sfi", help="comma-separated engines to profile")
+    p.add_argument("--profile-steps", type=int, default=8)
     p.add_argument("--tokenizer", default=os.environ.get("SFI_TOKENIZER_DIR", ""),
                    help="folder with tokenizer.json (default: the embedded SmolLM2's)")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
+    engines = [e for e in args.engines.split(",") if e]
+    bad = [e for e in engines if e not in ENGINES]
+    if bad or not engines:
+        p.error(f"--engines: unknown {bad}; choose from {ENGINES}")
+    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
+    profile_at = tuple(int(x) for x in args.profile.split("x")) if args.profile else None
+    if profile_at and profile_at not in configs:
+        p.error(f"--profile {args.profile} is not one of --configs")
+    profile_engines = set(args.profile_engines.split(","))
 
     import numpy as np
 
     import sfi_sglang
 
-    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
     if not args.tokenizer:
         from sfi_sglang.model import default_model_path
 
         args.tokenizer = default_model_path()
-    max_tokens = max(n for n, _ in configs) + args.steps + 64
-    path = model_dir(args.shape, args.tokenizer, max(max_tokens, 40960))
-    max_batch = max(b for _, b in configs)
-    kw = engine_kwargs(args, path, max_tokens, max_batch)
-    print(f"[{args.engine}] launching: {kw}", flush=True)
-    t0 = time.perf_counter()
-    engine = sfi_sglang.Engine(**kw)
-    startup = time.perf_counter() - t0
-    print(f"[{args.engine}] engine up in {startup:.0f} s", flush=True)
+    max_ctx = max(context_length(args, n) for n, _ in configs)
+    path = model_dir(args.shape, args.tokenizer, max(max_ctx, 40960))
     vocab = SHAPES[args.shape]["vocab_size"]
-    rng = np.random.default_rng(0)
-
-    def run(prompts, new):
-        sp = dict(max_new_tokens=new, temperature=0.0, ignore_eos=True)
-        t = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=sp)
-        dt = time.perf_counter() - t
-        for o in outs:
-            assert len(o["output_ids"]) == new, (len(o["output_ids"]), new)
-        return dt, outs
-
-    rows = []
-    try:
-        for n, b in configs:
-            prompts = [rng.integers(100, vocab, n).tolist() for _ in range(b)]
-            warm, _ = run(prompts, 1)
-            print(f"[{args.engine}] {n}x{b}: prefill {warm:.1f} s", flush=True)
-            for batch in sorted({1, b}):
-                ps = prompts[:batch]
-                # warm-up decode past one slow step, so that no first-call compile of a
-                # kernel is timed (run S4-5 timed some, section 7 of bench/NOTES.md)
-                run(ps, args.slow_every + 2)
-                t1, _ = run(ps, 1)
-                tm, outs = run(ps, args.steps + 1)
-                step_ms = 1e3 * (tm - t1) / args.steps
-                sfi = [o["meta_info"].get("sfi") or {} for o in outs]
-                slow = sum(s.get("slow_steps", 0) for s in sfi)
-                fast = sum(s.get("fast_steps", 0) for s in sfi)
-                row = dict(context=n, batch=batch, step_ms=round(step_ms, 3),
-                           tokens_per_s=round(batch * 1e3 / step_ms, 1), t1_s=round(t1, 3),
-                           tm_s=round(tm, 3), prefill_s=round(warm, 2), slow_steps=slow, fast_steps=fast)
-                rows.append(row)
-                print(f"[{args.engine}] {json.dumps(row)}", flush=True)
-    finally:
-        engine.shutdown()
     os.makedirs(args.out, exist_ok=True)
-    result = dict(engine=args.engine, shape=args.shape, steps=args.steps, slow_every=args.slow_every,
-                  startup_s=round(startup, 1), launch=kw, rows=rows, argv=sys.argv[1:])
-    with open(os.path.join(args.out, f"sglang_{args.engine}.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    return 0
+    out_json = os.path.join(args.out, "sglang_h200.json")
+    result = dict(shape=args.shape, engines=engines, configs=args.configs, steps=args.steps,
+                  slow_every=args.slow_every, mem_fraction=args.mem_fraction, argv=sys.argv[1:],
+                  rows=[], runs=[], profiles=[])
+    row_of: dict[tuple[int, int], dict] = {}
+
+    def save():
+        tmp = out_json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, out_json)
+
+    def log(name, msg):
+        print(f"[{name}] {msg}", flush=True)
+
+    save()
+    for n, b in configs:
+        ctx = context_length(args, n)
+        # the same prompts for every engine of this configuration
+        prompts = [np.random.default_rng([n, b, i]).integers(100, vocab, n).tolist() for i in range(b)]
+        for name in engines:
+            kw = engine_kwargs(args, name, path, ctx, b)
+            info = dict(engine=name, context=n, batch=b, context_length=ctx,
+                        launch={k: v for k, v in kw.items() if k != "model_path"})
+            result["runs"].append(info)
+            log(name, f"{n}x{b}: launching (context_length {ctx}): {info['launch']}")
+            engine = None
+            try:
+                t0 = time.perf_counter()
+                engine = sfi_sglang.Engine(**kw)
+                info["startup_s"] = round(time.perf_counter() - t0, 1)
+                log(name, f"{n}x{b}: engine up in {info['startup_s']:.0f} s")
+
+                def run(ps, new):
+                    sp = dict(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+                    t = time.perf_counter()
+                    outs = engine.generate(input_ids=ps, sampling_params=sp)
+                    dt = time.perf_counter() - t
+                    for o in outs:
+                        assert len(o["output_ids"]) == new, (len(o["output_ids"]), new)
+                    return dt, outs
+
+                warm, _ = run(prompts, 1)
+                info["prefill_s"] = round(warm, 2)
+                log(name, f"{n}x{b}: prefill {warm:.1f} s")
+                save()
+                for batch in sorted({1, b}):
+                    ps = prompts[:batch]
+                    # warm-up decode past one slow step, so that no first-call compile of a
+                    # kernel is timed (run S4-5 timed some, section 7 of bench/NOTES.md)
+                    run(ps, args.slow_every + 2)
+                    t1, _ = run(ps, 1)
+                    tm, outs = run(ps, args.steps + 1)
+                    step_ms = 1e3 * (tm - t1) / args.steps
+                    sfi = [o["meta_info"].get("sfi") or {} for o in outs]
+                    detail = dict(step_ms=round(step_ms, 3), tokens_per_s=round(batch * 1e3 / step_ms, 1),
+                                  t1_s=round(t1, 3), tm_s=round(tm, 3),
+                                  slow_steps=sum(s.get("slow_steps", 0) for s in sfi),
+                                  fast_steps=sum(s.get("fast_steps", 0) for s in sfi))
+                    row = row_of.get((n, batch))
+                    if row is None:
+                        row = row_of[(n, batch)] = dict(context=n, batch=batch, step_ms={}, ratio={}, detail={})
+                        result["rows"].append(row)
+                    row["step_ms"][name] = detail["step_ms"]
+                    row["detail"][name] = detail
+                    if "sfi" in row["step_ms"]:
+                        row["ratio"] = {d: round(row["step_ms"][d] / row["step_ms"]["sfi"], 3)
+                                        for d in DENSE_ENGINES if d in row["step_ms"]}
+                    save()
+                    log(name, f"{n}x{batch}: {json.dumps(detail)}")
+                    if name == engines[-1]:  # the row is complete
+                        print("ROW " + json.dumps(dict(context=n, batch=batch, step_ms=row["step_ms"],
+                                                       ratio=row["ratio"])), flush=True)
+                if profile_at == (n, b) and name in profile_engines:
+                    try:
+                        summary = profile_decode(args, engine, run, name, n, b, prompts)
+                        result["profiles"].append({k: v for k, v in summary.items() if k != "top"}
+                                                  | dict(top=summary["top"][:10]))
+                        log(name, f"{n}x{b}: profile {summary['trace']}: {summary['kind']} "
+                                  f"{summary['total_us']:.0f} us, top: "
+                                  + "; ".join(f"{t['name'][:60]} {t['total_us']:.0f}" for t in summary["top"][:5]))
+                    except Exception as e:  # never lose the timing rows to the profiler
+                        traceback.print_exc()
+                        result["profiles"].append(dict(engine=name, context=n, batch=b, error=repr(e)))
+                    save()
+            except Exception as e:
+                traceback.print_exc()
+                info["error"] = repr(e)[:2000]
+                log(name, f"{n}x{b}: FAILED: {e!r}"[:2000])
+                save()
+            finally:
+                if engine is not None:
+                    try:
+                        free_engine(engine)
+                    except Exception as e:
+                        log(name, f"shutdown failed: {e!r}")
+                    engine = None
+    save()
+    failed = [r for r in result["runs"] if "error" in r]
+    print(f"wrote {out_json}: {len(result['rows'])} rows, {len(failed)} failed engine runs", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -12,11 +12,14 @@
 #           If the tarball would exceed 55 MiB it is split into .sgl/site1.tar.xz (sglang) and
 #           .sgl/site2.tar.xz (the rest).  The wheels and the staging folder are removed at the end
 #           (KEEP=1 keeps them under .sgl/whl and .sgl/stage; don't carry .sgl then).
-#   device: run(command="bash bench/sglang_h200.sh dense sfi -- --configs 8192x16,32768x4,131072x1",
-#           carry=[".sgl"]): unpacks into /root/site (kept while the machine stays warm), puts
-#           sfi_sglang and the sgl_kernel stand-in in place (setup_sfi) and runs
-#           bench/sglang_h200.py once per engine named (dense | dense-graph | sfi), options after
-#           `--`; `bash bench/sglang_h200.sh imports` only checks the imports. Results: $OUT.
+#   device: run(command="bash bench/sglang_h200.sh -- --configs 8192x16,32768x4,131072x1
+#           --engines dense-graph,sfi --steps 48 --profile 32768x4", carry=[".sgl"]): unpacks into
+#           /root/site (kept while the machine stays warm), copies sfi_sglang there as its wheel
+#           lays it out, with the sgl_kernel stand-in (setup_sfi), and runs bench/sglang_h200.py
+#           once (options after `--`; it launches every engine of --engines, dense | dense-graph |
+#           sfi, for each configuration). Engine names before `--` are taken as --engines.
+#           `bash bench/sglang_h200.sh imports` only checks the imports. Results in $OUT:
+#           sglang_h200.json, sglang_h200.log, profile_*.json and profile/*.trace.json.gz.
 #           From another script: `source bench/sglang_h200.sh; unpack_site; setup_sfi`.
 set -euo pipefail
 
@@ -157,14 +160,16 @@ print("MISSING from stage:", " ".join(missing) or "none")
 EOF
 }
 
-# Device side, after unpack_site: sfi_sglang laid out as its wheel installs it (kernels/ and
-# router/ are its subpackages), its `sglang.srt.plugins` entry point (a dist-info), and the
-# sgl_kernel start-up hook in every process (the wheel's .pth works only in site-packages;
-# a sitecustomize on PYTHONPATH does the same). Then SGLang's CUDA modules get sgl_kernel's
-# torch stand-in and its fused ops their forward_native (sfi_sglang/sgl_kernel_standin.py).
+# Device side, after unpack_site: sfi_sglang laid out as its wheel installs it, copied into
+# /root/site (first on PYTHONPATH, before the repo): kernels/ and router/ become its real
+# subpackages sfi_sglang.kernels and sfi_sglang.router; its `sglang.srt.plugins` entry point
+# (a dist-info), and the sgl_kernel start-up hook in every process (the wheel's .pth works
+# only in site-packages; a sitecustomize on PYTHONPATH does the same). Then SGLang's CUDA
+# modules get sgl_kernel's torch stand-in and its fused ops their forward_native
+# (sfi_sglang/sgl_kernel_standin.py).
 setup_sfi() {
-  ln -sfn ../kernels sfi_sglang/kernels
-  ln -sfn ../router sfi_sglang/router
+  source "$(dirname "${BASH_SOURCE[0]}")/layout.sh"
+  sfi_site /root/site
   local d=/root/site/sfi_sglang-0.1.0.dist-info
   mkdir -p $d
   printf 'Metadata-Version: 2.1\nName: sfi-sglang\nVersion: 0.1.0\n' > $d/METADATA
@@ -189,21 +194,25 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then
           exit 0 ;;
     check) sgl_check "${PYTHON:-python3}"; exit 0 ;;
   esac
-  # device: bench/sglang_h200.sh [imports | ENGINE... -- bench/sglang_h200.py options]
+  # device: bench/sglang_h200.sh [imports | [ENGINE...] -- bench/sglang_h200.py options]
   unpack_site "$PWD"
   setup_sfi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import sglang, torch, triton; print("sglang", sglang.__version__, "torch", torch.__version__, "triton", triton.__version__)'
+  python3 -P -c 'import sfi_sglang, sfi_sglang.kernels, sfi_sglang.router; print("sfi_sglang:", sfi_sglang.__file__, "kernels:", sfi_sglang.kernels.__file__)'
   if [ "${1:-}" = imports ]; then
-    exec python3 -c 'import sgl_kernel, sglang.srt.entrypoints.engine, sglang.srt.managers.scheduler, sglang.srt.models.qwen3, sglang.srt.layers.attention.triton_backend, sfi_sglang.backend; print("imports ok; sgl_kernel:", sgl_kernel.SFI_TORCH_STANDIN)'
+    exec python3 -P -c 'import sgl_kernel, sglang.srt.entrypoints.engine, sglang.srt.managers.scheduler, sglang.srt.models.qwen3, sglang.srt.layers.attention.triton_backend, sfi_sglang.backend; print("imports ok; sgl_kernel:", sgl_kernel.SFI_TORCH_STANDIN)'
   fi
+  # engine names before `--` (the old form) become --engines; one Python process runs them all
   engines=()
   while [ $# -gt 0 ] && [ "$1" != -- ]; do engines+=("$1"); shift; done
   [ $# -gt 0 ] && shift
+  if [ ${#engines[@]} -gt 0 ]; then
+    set -- --engines "$(IFS=,; echo "${engines[*]}")" "$@"
+  fi
   out=${OUT:-bench/results}
+  mkdir -p "$out"
   rc=0
-  for e in "${engines[@]}"; do
-    python3 bench/sglang_h200.py --engine "$e" --out "$out" "$@" 2>&1 | tee "$out/sglang_$e.log" || { rc=1; break; }
-  done
+  python3 bench/sglang_h200.py --out "$out" "$@" 2>&1 | tee "$out/sglang_h200.log" || rc=$?
   exit $rc
 fi

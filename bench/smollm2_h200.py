@@ -24,8 +24,8 @@ so this runs in two places:
                  that compiles the Triton kernels)
             run(carry=[".w2"]): cp -r .w2 /root/sfiw/      (same for .w3, .w4)
             run(carry=[".w5"]): cp -r .w5 /root/sfiw/; for d in .w0 .w1 .w2 .w3 .w4; do
-                [ -e $d ] || cp -r /root/sfiw/$d .; done; ln -sfn ../kernels sfi_sglang/kernels;
-                ln -sfn ../router sfi_sglang/router; PYTHONPATH=$PWD python3
+                [ -e $d ] || cp -r /root/sfiw/$d .; done; source bench/layout.sh;
+                sfi_site /tmp/sfi-site; python3 -P
                 bench/smollm2_h200.py run --out $OUT | tee $OUT/smollm2_h200.log
           `run` checks every chunk's size and sha256 against the manifest first.
 Results: bench/results/smollm2_h200.{json,log}.

@@ -1,48 +1,31 @@
-"""SFI kernels (shipped as `sfi_sglang.kernels`).
+"""SFI kernels (shipped as `sfi_sglang.kernels`; imported only that way).
 
 Triton kernels for the SFI fast and slow decode steps, with float64 torch references that
 are also the CPU path. Each public function falls back to its reference when given CPU
-tensors outside TRITON_INTERPRET=1, or when Triton is not importable.
+tensors outside TRITON_INTERPRET=1. The Triton modules are imported on first use
+(PEP 562), so `from sfi_sglang.kernels import reference` never imports Triton: the CPU
+path leaves TRITON_INTERPRET unfixed for the rest of the process.
 """
 
-from .reference import (ref_dense_decode_with_scores, ref_fast_decode, ref_pack,
+import importlib
+
+from .reference import (ref_dense_decode_with_scores, ref_fast_decode, ref_pack,  # noqa: F401
                         ref_store_key_norms)
 
-try:
-    import triton  # noqa: F401
+# public name -> the submodule that defines it
+_LAZY = {
+    "fast_decode": "fast_decode", "store_key_norms": "key_norms", "pack": "pack",
+    "fused_topk_key": "selector", "dense_decode": "slow_decode",
+    "dense_decode_with_scores": "slow_decode", "topk_positions": "topk",
+}
 
-    HAS_TRITON = True
-except Exception:  # pragma: no cover - triton ships with sglang
-    HAS_TRITON = False
 
-if HAS_TRITON:
-    from .fast_decode import fast_decode
-    from .key_norms import store_key_norms
-    from .pack import pack
-    from .selector import fused_topk_key
-    from .slow_decode import dense_decode, dense_decode_with_scores
-    from .topk import topk_positions
-else:  # pragma: no cover
-    def fast_decode(*args, **kwargs):
-        kwargs = {k: v for k, v in kwargs.items() if k in ("out",)}
-        return ref_fast_decode(*args, **kwargs)
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    def dense_decode_with_scores(*args, **kwargs):
-        kwargs = {k: v for k, v in kwargs.items() if k in ("out", "scores_out")}
-        return ref_dense_decode_with_scores(*args, **kwargs)
 
-    def pack(*args, **kwargs):
-        return ref_pack(*args)
-
-    def store_key_norms(*args, **kwargs):
-        return ref_store_key_norms(*args)
-
-    dense_decode = None
-    fused_topk_key = None
-    topk_positions = None
-
-__all__ = [
-    "fast_decode", "dense_decode_with_scores", "dense_decode", "pack", "store_key_norms",
-    "ref_fast_decode", "ref_dense_decode_with_scores", "ref_pack", "ref_store_key_norms",
-    "HAS_TRITON", "fused_topk_key", "topk_positions",
-]
+__all__ = [*_LAZY, "ref_fast_decode", "ref_dense_decode_with_scores", "ref_pack", "ref_store_key_norms"]

@@ -1,5 +1,5 @@
-"""The `sfi` attention backend: SGLang's dense backend for prefill and slow steps, a
-sparse memory (sinks + selected + window) for fast decode steps.
+"""The `sfi` attention backend: SGLang's dense backend for prefill, a sparse memory (sinks +
+selected + window) for fast decode steps, dense attention + the Selector for slow ones.
 
 Per request (indexed by its ReqToTokenPool slot) and per layer and KV head, a fast step
 attends to
@@ -10,25 +10,31 @@ where t is the current context length. The three sets are disjoint and, when eve
 candidate of [S, hi) is selected (context <= S + W + K), their union is the whole
 history, so the fast step equals dense attention. Selections happen at the end of
 prefill (bootstrap, from the last prompt query rows) and at slow steps (dense attention
-whose logits feed the Selector), decided per request and step by the TriggerPolicy.
+whose logits feed the Selector).
 
-That state lives in a SparseMemory (sfi_sglang.memory): tensors indexed by the request-pool
-slot, reset when SGLang allocates the slot (ReqToTokenPool.register_on_alloc_rows); on CUDA
-fast steps, slow-step scores and packing run the Triton kernels (sfi_sglang.kernels), on
-the CPU the torch reference. A `Request` record per slot keeps only host-side options and
-what meta_info reports.
+Where the state lives:
+  - SparseMemory (sfi_sglang.memory): selections, window starts, packed K/V, fast/slow
+    counts, in tensors indexed by the request-pool slot;
+  - StepPlan (sfi_sglang.step): the per-slot switches and the trigger policy; it decides
+    on the device, at each decode forward, which rows are fast, slow or dense;
+  - Request (sfi_sglang.requests): a slot's host-side options and meta_info fields.
 
-The decode work is planned once per forward in init_forward_metadata (which rows are
-fast, which slow, counters, index tensors per layer pattern), and each layer's forward
-only computes: no host sync, no host-made tensor, so whole steps can be captured in CUDA
-graphs (sfi_sglang.bench does; SGLang's own graph runner is not wired yet).
+A decode step is device work only, with static shapes, so SGLang's decode CUDA graphs
+capture it and its overlap scheduler runs it: StepPlan.begin runs in
+init_forward_metadata_in_graph, and each sparse layer runs the fast kernel over every row,
+then, inside a conditional graph node taken only when some row is slow or dense at that
+layer, dense attention with scores for those rows, the Selector and the memory update of
+the slow ones (masked per row). Requests whose options the device step cannot serve (the
+eval's baselines, a different budget, window or Selector) run on a host path, eagerly only
+(sfi_sglang.requests.on_device_path).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from dataclasses import dataclass, field
+import os
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Optional
 
@@ -36,10 +42,17 @@ import torch
 
 from sfi_sglang.baselines import quest_positions, snapkv_select, streaming_window_start
 from sfi_sglang.boundary import TriggerPolicy
-from sfi_sglang.kernels import store_key_norms
 from sfi_sglang.config import SFIConfig, SFIConfigError, server_config
+from sfi_sglang.kernels import store_key_norms
 from sfi_sglang.memory import SparseMemory
+from sfi_sglang.requests import EXTRA_IDS_KEY, Request, on_device_path, request_config
 from sfi_sglang.selector import select
+from sfi_sglang.step import StepPlan, run_if
+
+try:
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+except ImportError:  # sfi_sglang.bench's harness on a GPU machine without SGLang
+    AttentionBackend = object
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -51,95 +64,51 @@ logger = logging.getLogger(__name__)
 ACTIVE: list["SFIAttnBackend"] = []
 # rid -> custom_params of requests this scheduler received (filled by sfi_sglang.hooks).
 REQUEST_PARAMS: dict[str, dict] = {}
-# custom_params key of a request's extra boundary token ids (set by sfi_sglang.router)
-EXTRA_IDS_KEY = "sfi_extra_boundary_ids"
+# A window start past any context: the fast kernel reads no window for such a slot.
+NO_WINDOW = 1 << 30
+# Set to "1" (tests): a device-path decode layer that reads a tensor to the host
+# (Tensor.item/.tolist/.cpu) raises instead, so a sync that would stall CUDA graphs and the
+# overlap scheduler fails loudly on the CPU engine too.
+SYNC_GUARD_ENV = "SFI_SGLANG_SYNC_GUARD"
 
 
-def request_options(custom_params) -> tuple[bool, dict]:
-    """(enabled, config overrides) from a request's custom_params["sfi"]; raises
-    SFIConfigError on a bad value. `enabled` defaults to True."""
-    opts = (custom_params or {}).get("sfi") if isinstance(custom_params, dict) else None
-    if opts is None:
-        return True, {}
-    if not isinstance(opts, dict):
-        raise SFIConfigError(f'custom_params["sfi"] must be an object, got {type(opts).__name__}')
-    opts = dict(opts)
-    enabled = opts.pop("enabled", True)
-    if not isinstance(enabled, bool):
-        raise SFIConfigError(f'custom_params["sfi"]["enabled"] must be true or false, got {enabled!r}')
-    # extra boundaries of this request (a spec, resolved to token ids on the tokenizer
-    # side by sfi_sglang.router into custom_params[EXTRA_IDS_KEY]); not a config field
-    extra = opts.pop("extra_boundaries", None)
-    if extra is not None:
-        from sfi_sglang.boundary import parse_boundary_spec
+@contextlib.contextmanager
+def no_host_reads(on: bool = True):
+    """Inside: Tensor.item, .tolist and .cpu raise RuntimeError (when `on`)."""
+    if not on:
+        yield
+        return
+    names = ("item", "tolist", "cpu")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
 
-        try:
-            parse_boundary_spec(extra)
-        except ValueError as err:
-            raise SFIConfigError(f'custom_params["sfi"]["extra_boundaries"]: {err}') from None
-    return enabled, opts
+    def refuse(name):
+        def f(self, *args, **kwargs):
+            raise RuntimeError(f"SFI decode step read a tensor to the host (Tensor.{name})")
+        return f
+
+    for n in names:
+        setattr(torch.Tensor, n, refuse(n))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
 
 
-def request_config(server: SFIConfig, custom_params) -> tuple[bool, SFIConfig]:
-    """Validated per-request config on top of the server's; the budget may only shrink
-    (the server sizes its buffers for its own budget)."""
-    enabled, overrides = request_options(custom_params)
-    cfg = SFIConfig.from_dict(overrides, base=server) if overrides else server
-    if cfg.budget > server.budget:
-        raise SFIConfigError(
-            f'custom_params["sfi"]["budget"] ({cfg.budget}) exceeds the server\'s '
-            f"--sfi-budget ({server.budget})")
-    if cfg.sinks != server.sinks:
-        raise SFIConfigError(f'custom_params["sfi"]["sinks"] ({cfg.sinks}) cannot differ from the '
-                             f"server's --sfi-sinks ({server.sinks})")
-    for name in ("boundaries", "fast_path"):  # server-wide: one table, one kernel
-        if overrides.get(name, getattr(server, name)) != getattr(server, name):
-            raise SFIConfigError(f'custom_params["sfi"]["{name}"] cannot differ from the server\'s '
-                                 f"--sfi-{name.replace('_', '-')}")
-    return enabled, cfg
-
-
-@dataclass
-class Request:
-    """Host-side record of the request in a slot: its options and what the output reports.
-    Its sparse memory (selections, step counters) is in SFIAttnBackend.memory, indexed by
-    the same slot."""
-
-    cfg: SFIConfig
-    enabled: bool
-    rid: Optional[str] = None
-    bootstrap: bool = False
-    has_selection: bool = False  # the memory holds a selection (bootstrap, import, slow step)
-    decode_steps: int = 0
-    slow_at: list[int] = field(default_factory=list)  # decode steps (1-based) that were slow
-    # bootstrap selections computed here vs imported from a shared prefix (sfi_sglang.radix)
-    bootstrap_computed: int = 0
-    bootstrap_reused: int = 0
-
-    @property
-    def refreshes(self) -> bool:
-        """Whether this request's method keeps a selection (made at prefill end / slow steps)."""
-        return self.cfg.method in ("sfi", "snapkv")
-
-    @property
-    def baseline(self) -> bool:
-        """Methods whose fast steps choose positions per step on the host (eval baselines)."""
-        return self.cfg.method in ("streaming", "quest")
-
-    def stats(self, fast_steps: int, slow_steps: int) -> dict:
-        return {"enabled": self.enabled, "fast_steps": fast_steps,
-                "slow_steps": slow_steps, "bootstrap": self.bootstrap,
-                "bootstrap_computed": self.bootstrap_computed,
-                "bootstrap_reused": self.bootstrap_reused,
-                "slow_at": list(self.slow_at),
-                "budget": self.cfg.budget, "window": self.cfg.window, "sinks": self.cfg.sinks}
-
-
-class SFIAttnBackend:
-    """Wraps the platform's dense backend; same method names as SGLang's backends."""
+class SFIAttnBackend(AttentionBackend):
+    """SGLang attention backend `sfi`: wraps the platform's dense backend (prefill and the
+    layers every request keeps dense) and implements SGLang's decode CUDA-graph protocol
+    (init_cuda_graph_state, init_forward_metadata_out_graph / _in_graph, the seq-len fill
+    value) for its own decode step."""
 
     def __init__(self, model_runner, dense_backend):
         self.dense = dense_backend
+        # SGLang's runners read the base class's capability flags off the backend: the
+        # dense backend's values hold (SFI changes decode attention only)
+        if AttentionBackend is not object:
+            for name, value in vars(AttentionBackend).items():
+                if not name.startswith("_") and isinstance(value, (bool, int, type(None))):
+                    setattr(self, name, getattr(dense_backend, name, value))
         self.cfg = server_config()
         self.device = model_runner.device
         self.req_to_token_pool = model_runner.req_to_token_pool
@@ -151,9 +120,15 @@ class SFIAttnBackend:
         # has a row (a request may make any layer sparse or dense).
         self.memory = SparseMemory(self.num_layers, range(self.num_layers), max_slots,
                                    k0.shape[1], k0.shape[2], self.cfg, k0.device, k0.dtype)
-        # A slot's memory starts empty when SGLang allocates the slot to a request.
+        self.memory.fast_ws[0] = NO_WINDOW  # slot 0: SGLang's padding rows
+        # A slot's memory starts empty when SGLang allocates the slot to a request; the reset
+        # runs at the request's first forward, on the forward stream (with the overlap
+        # scheduler the allocation happens while an earlier step still runs).
+        self._resets: list[int] = []
         if getattr(self.req_to_token_pool, "_on_alloc_rows", "absent") is None:
             self.req_to_token_pool.register_on_alloc_rows(self._on_alloc_rows)
+        # the `sfi` radix cache finds this backend on the pool both use (radix.sfi_backend)
+        self.req_to_token_pool.sfi_backend = self
         self.requests: dict[int, Request] = {}  # slot -> its request
         self.by_rid: dict[str, tuple[int, Request]] = {}  # for meta_info, read by sfi_sglang.hooks
         self._cfg_cache: dict[str, tuple[bool, SFIConfig]] = {}
@@ -163,19 +138,34 @@ class SFIAttnBackend:
         # launches the same kernel variant (Triton specializes on pointer alignment).
         self.key_norms = [torch.zeros(k0.shape[0], k0.shape[1], dtype=torch.float32, device=k0.device)
                           for _ in range(self.num_layers)]
-
         self.policy = self._make_policy(model_runner, max_slots)
-        self.plan: Optional[DecodePlan] = None
+        self.step = StepPlan(self.policy, max_slots, self.num_layers, self.device)
+        mc = model_runner.model_config
+        tp = getattr(getattr(model_runner, "server_args", None), "tp_size", 1) or 1
+        self.num_q_heads = max(1, mc.num_attention_heads // tp)
+        # Slow steps' logits [rows, H_q, N], N = req_to_token's width (the longest context):
+        # made once for the CUDA graphs' batch (init_cuda_graph_state), else per batch size.
+        self._scores: Optional[torch.Tensor] = None
+        self._host_rows: list = []  # this step's rows on the host path (eager only)
+        self._extra_rows = None  # this step's rows whose input is a per-request boundary
+        self._ref_len: Optional[int] = None  # the torch reference's length this step (CPU)
+        self._sync_guard = os.environ.get(SYNC_GUARD_ENV) == "1"
+        self._fi_plan = None  # the FlashInfer fast path's plan of this step
         # Asynchronous maintenance: a slow step's Selector + pack run on this side stream,
         # overlapped with the step's later layers, and the next step waits for them
-        # (join_maintenance). CUDA only; off by default until measured inside SGLang
-        # (sfi_sglang.bench measures it: --async-maintenance).
+        # (join_maintenance). CUDA only; off by default (sfi_sglang.bench measures it).
         self.side_stream = None
         self._side_pending = False  # side-stream work not yet joined
         self.boundaries = self._boundary_summary(self.cfg.boundaries, 0)  # see install_boundaries
-        mc = model_runner.model_config
-        tp = getattr(getattr(model_runner, "server_args", None), "tp_size", 1)
-        self.warm_up(max(1, mc.num_attention_heads // tp))
+        if self.memory.packed and torch.cuda.is_available():
+            from sfi_sglang import graph_if
+            from sfi_sglang.step import _HAS_IF_NODE
+
+            # set up outside any capture: a decode graph's slow pass goes under an IF node
+            if not (_HAS_IF_NODE or graph_if.available()):
+                logger.warning("SFI: no conditional CUDA-graph node here (%s): captured decode steps "
+                               "run the slow pass at every step", graph_if.error())
+        self.warm_up(self.num_q_heads)
         ACTIVE.append(self)
         logger.info("SFI backend: %s, dense backend %s, sparse memory %.1f MB (%s path)", self.cfg,
                     type(dense_backend).__name__, self.memory.bytes() / 2**20,
@@ -205,16 +195,16 @@ class SFIAttnBackend:
         (slow: dense attention with scores, the Selector, pack; fast; dense; key norms)
         before serving. Otherwise the first request to need each one waits for its
         compile, seconds each, once per process (bench/NOTES.md, section 7). No kernel
-        variant follows the batch or the context (tests/test_kernels.py). What remains
-        is the prompt length modulo 16 (Triton's specialization), whether the context
-        fits the budget (top-k takes every key), and score buffers capped at
-        req_to_token's width: five lengths cover them (tests/test_bench.py).
-        A request in slot 0 runs over the real pools before any request exists:
-        req_to_token's row 0 is still zeros, so every position reads KV slot 0 (SGLang's
-        padding slot). Slot 0 is reset afterwards. Kernel path (CUDA) only."""
+        variant follows the batch or the context (tests/test_kernels.py); what remains is
+        the prompt length modulo 16 (Triton's specialization) and whether the context fits
+        the budget (top-k takes every key): four lengths cover them (tests/test_bench.py).
+        Two requests in slots 1 and 2 (SFI on; SFI off: a dense row) run over the real
+        pools before any request exists: req_to_token's rows are still zeros, so every
+        position reads KV slot 0 (SGLang's padding slot). The slots are reset afterwards.
+        Kernel path (CUDA) only."""
         mem, cfg = self.memory, self.cfg
         sparse = [lid for lid in range(self.num_layers) if lid not in cfg.dense_layers]
-        if not mem.packed or not sparse or cfg.method != "sfi":
+        if not mem.packed or not sparse or cfg.method != "sfi" or mem.max_slots < 3:
             return
         lid = sparse[0]
         k_cache = self.token_to_kv_pool.get_key_buffer(lid)
@@ -223,29 +213,33 @@ class SFIAttnBackend:
                                 qk_head_dim=d, v_head_dim=d, scaling=d ** -0.5)
         width = self.req_to_token_pool.req_to_token.shape[1]
         long = cfg.sinks + cfg.window + cfg.budget + 32
-        lengths = sorted({min(n, width) for n in (SCORE_BUCKET - 1, SCORE_BUCKET - 16, long - 1, long)})
+        lengths = sorted({min(n, width) for n in (511, 496, long - 1, long)})
         zeros = lambda *shape, dt=torch.long: torch.zeros(*shape, dtype=dt, device=dev)
-        req = self.requests[0] = Request(cfg, True)
+        slots = torch.tensor([1, 2], device=dev)
         try:
-            for n in lengths + [width]:  # the last: score buffers capped at the row width
-                if n in lengths:  # a prompt's end: selection from its last rows' logits
-                    rows = min(cfg.bootstrap_rows, n)
-                    ext = SimpleNamespace(extend_start_loc=zeros(1), extend_seq_lens=torch.tensor([rows]),
-                                          req_pool_indices=zeros(1), seq_lens=torch.tensor([n]))
-                    self._bootstrap(zeros(rows, num_q_heads * d, dt=dtype), layer, ext)
-                for kinds in (["slow", "dense"], ["fast"]):  # decode rows of each kind
-                    b = len(kinds)
-                    self.plan = DecodePlan(kinds, [req] * b, zeros(b), zeros(b) + n, [n] * b, [0] * b, width)
-                    fb = SimpleNamespace(out_cache_loc=zeros(b))
-                    k = zeros(b, hkv * d, dt=dtype)
-                    self._store_key_norms(k, layer, fb, True)
-                    self.forward_decode(zeros(b, num_q_heads * d, dt=dtype), k, k, layer, fb,
+            for n in lengths:
+                self._start_slot(1, Request(cfg, True))
+                self._start_slot(2, Request(cfg, False))
+                rows = min(cfg.bootstrap_rows, n)  # a prompt's end: selection from its last rows
+                ext = SimpleNamespace(extend_start_loc=zeros(1), extend_seq_lens=torch.tensor([rows]),
+                                      req_pool_indices=slots[:1].cpu(), seq_lens=torch.tensor([n]))
+                self._bootstrap(zeros(rows, num_q_heads * d, dt=dtype), layer, ext)
+                self.step.has_sel[1] = False  # the first decode step: slow (and a dense row)
+                fb = SimpleNamespace(out_cache_loc=zeros(2), input_ids=zeros(2), req_pool_indices=slots,
+                                     seq_lens=zeros(2) + n, rids=None)
+                for _ in range(2):  # slow + dense rows, then fast + dense rows
+                    self._begin_decode(fb)
+                    k = zeros(2, hkv * d, dt=dtype)
+                    self._store_key_norms(k, layer, fb, True)  # KV slot 0: SGLang's padding
+                    self.forward_decode(zeros(2, num_q_heads * d, dt=dtype), k, k, layer, fb,
                                         save_kv_cache=False)
                     self.join_maintenance()
         finally:
-            self.plan = None
-            self.requests.pop(0, None)
-            mem.reset([0])
+            self.step.rows = None
+            for slot in (1, 2):
+                self.requests.pop(slot, None)
+            mem.reset([1, 2])
+            self._resets.clear()
 
     # ------------------------------------------------------------------ SGLang services
     # The three places that need SGLang beyond the pools; sfi_sglang.bench's harness
@@ -273,7 +267,9 @@ class SFIAttnBackend:
 
     # ------------------------------------------------------------------ requests
     def _on_alloc_rows(self, slots) -> None:
-        self.memory.reset(slots)
+        """SGLang gave these slots to new requests (scheduler, host): their device state is
+        reset at their first forward (_start_requests), on the forward stream."""
+        self._resets.extend(int(s) for s in slots)
         for slot in slots:
             self.requests.pop(slot, None)
 
@@ -283,10 +279,27 @@ class SFIAttnBackend:
             self._cfg_cache[key] = request_config(self.cfg, custom_params)
         return self._cfg_cache[key]
 
+    def _start_slot(self, slot: int, req: Request) -> None:
+        """Host: a request's record and its slot's device state (memory, step plan, policy)."""
+        self.requests[slot] = req
+        self.memory.reset([slot])
+        req.host = req.enabled and not on_device_path(req.cfg, self.cfg)
+        device_sfi = req.enabled and not req.host
+        self.step.start(slot, device_sfi, req.cfg.dense_layers)
+        self.policy.reset(torch.tensor([slot]), req.cfg)
+        if req.cfg.method == "snapkv":  # selects once (at prefill end), never refreshes
+            self.policy.max_interval[slot] = NO_WINDOW
+            self.policy.interval_mode[slot] = True
+        if not device_sfi:  # a dense row on the device path: the fast kernel reads nothing
+            self.memory.fast_ws[slot] = NO_WINDOW
+
     def _start_requests(self, forward_batch):
         """A request's first extend makes its record (a prompt's next chunk keeps it); its
         bootstrap selection follows in forward_extend unless a shared prefix's memory is
         imported here."""
+        if self._resets:
+            self.memory.reset(self._resets)
+            self._resets.clear()
         slots = forward_batch.req_pool_indices.tolist()
         rids = forward_batch.rids or [None] * len(slots)
         prefix_lens = forward_batch.extend_prefix_lens_cpu or [0] * len(slots)
@@ -296,19 +309,17 @@ class SFIAttnBackend:
             if old is not None and old.rid == rid and rid is not None:
                 continue
             enabled, cfg = self._slot_config(REQUEST_PARAMS.get(rid))
-            req = self.requests[slot] = Request(cfg=cfg, enabled=enabled, rid=rid)
-            if old is not None:  # the slot changed hands without an allocation we saw
-                self.memory.reset([slot])
+            req = Request(cfg=cfg, enabled=enabled, rid=rid)
+            self._start_slot(slot, req)
             if rid is not None:
                 self.by_rid[rid] = (slot, req)
-            self.policy.reset(torch.tensor([slot]), cfg)
             if req.enabled and req.refreshes:
                 self._share_prefix(slot, req, rid, int(prefix), int(n))
 
     def export_selection(self, slot: int):
         """(positions [L, H_kv, K], count, hi) of the slot's selection, or None (sfi_sglang.radix)."""
         req = self.requests.get(slot)
-        if req is None or not req.enabled or not req.has_selection:
+        if req is None or not req.enabled or not bool(self.step.has_sel[slot]):
             return None
         return self.memory.export(slot)
 
@@ -320,10 +331,11 @@ class SFIAttnBackend:
                             lambda lid: (pool.get_key_buffer(lid), pool.get_value_buffer(lid)),
                             self.req_to_token_pool.req_to_token,
                             [l for l in range(self.num_layers) if l not in req.cfg.dense_layers])
-        req.has_selection = req.bootstrap = True
+        req.bootstrap = True
+        self.step.has_sel[slot] = True
         req.bootstrap_reused += 1
 
-    # ------------------------------------------------------------------ planning
+    # ------------------------------------------------------------------ SGLang's protocol
     def enable_async_maintenance(self, on: bool = True) -> None:
         self.side_stream = torch.cuda.Stream(self.device) if on and torch.cuda.is_available() else None
 
@@ -335,52 +347,87 @@ class SFIAttnBackend:
             self._side_pending = False
 
     def init_forward_metadata(self, forward_batch: ForwardBatch):
-        self.join_maintenance()
+        """Eager forward: the dense backend's metadata, then SFI's host and device parts."""
         self.dense.init_forward_metadata(forward_batch)
+        self._out_graph(forward_batch)
+        self._in_graph(forward_batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
+        self._score_buffer(max_bs)
+
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
+        self.dense.init_forward_metadata_out_graph(forward_batch, in_capture)
+        self._out_graph(forward_batch)
+
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
+        self.dense.init_forward_metadata_in_graph(forward_batch)
+        self._in_graph(forward_batch)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return self.dense.get_cuda_graph_seq_len_fill_value()
+
+    def on_after_cuda_graph_warmup(self):
+        self.dense.on_after_cuda_graph_warmup()
+
+    def shared_read_ends(self, fm):
+        return self.dense.shared_read_ends(fm)
+
+    def _out_graph(self, forward_batch) -> None:
+        """Host part of a forward (outside any graph): a decode step's host-path rows (known
+        only in eager steps, by their rids) and per-request boundaries; an extend's new
+        requests."""
+        self.join_maintenance()
         mode = forward_batch.forward_mode
-        self.plan = None
+        self._host_rows = []
+        self._fi_plan = None
         if mode.is_decode():
-            self.plan = self._plan_decode(forward_batch)
+            if not self.memory.packed:  # the torch reference's length: host data (SGLang's)
+                lens = getattr(forward_batch, "seq_lens_cpu", None)
+                lens = forward_batch.seq_lens if lens is None else lens
+                self._ref_len = int(lens.max()) if lens.numel() else 0
+            rids = getattr(forward_batch, "rids", None)
+            if rids:
+                reqs = [self.by_rid.get(rid) for rid in rids]
+                self._host_rows = [(i, slot, req) for i, (slot, req) in
+                                   ((i, e) for i, e in enumerate(reqs) if e is not None) if req.host]
+                self._mark_extra_boundaries(forward_batch)
         elif mode.is_extend() and not mode.is_mixed():
             self._start_requests(forward_batch)
 
-    def _plan_decode(self, forward_batch) -> "DecodePlan":
+    def _in_graph(self, forward_batch) -> None:
+        """Device part (recorded in a decode CUDA graph): the step plan."""
+        self.step.rows = None
+        if forward_batch.forward_mode.is_decode():
+            self._begin_decode(forward_batch)
+
+    def _begin_decode(self, forward_batch) -> None:
         slots = forward_batch.req_pool_indices
-        slots_cpu = slots.tolist()
-        reqs = [self.requests.get(s) for s in slots_cpu]
-        # a request that needs a selection and has none (e.g. its prompt was all cached)
-        # makes one now, at a slow step
-        have = torch.tensor([r is None or not r.enabled or r.has_selection or not r.refreshes
-                             for r in reqs], dtype=torch.bool)
-        slow = self.policy.step(forward_batch.input_ids, slots, force=~have.to(slots.device)).cpu()
-        self._mark_extra_boundaries(forward_batch, slow)
-        kinds = []
-        for i, r in enumerate(reqs):
-            if r is not None:
-                r.decode_steps += 1
-            if r is None or not r.enabled:
-                kinds.append("dense")
-            elif r.refreshes and bool(slow[i]) and (r.cfg.method == "sfi" or not r.has_selection):
-                r.slow_at.append(r.decode_steps)
-                r.has_selection = True  # after this step (the forward does no host bookkeeping)
-                kinds.append("slow")
-            else:
-                kinds.append("baseline" if r.baseline else "fast")
-        plan = DecodePlan(kinds, reqs, slots, forward_batch.seq_lens, forward_batch.seq_lens.tolist(),
-                          slots_cpu, self.req_to_token_pool.req_to_token.shape[1])
-        dev = slots.device
-        rows = lambda kind: slots[torch.tensor([k in kind for k in kinds], device=dev)]
-        self.memory.count_steps(rows(("fast", "baseline")), rows(("slow",)))
-        return plan
+        force_dense = None
+        if self._host_rows:
+            force_dense = torch.zeros(slots.shape[0], dtype=torch.bool)
+            force_dense[[i for i, _, _ in self._host_rows]] = True
+            force_dense = force_dense.to(slots.device)
+        rows = self.step.begin(forward_batch.input_ids, slots, force_dense)
+        self._apply_extra_boundaries(slots, rows.slow)
+        self.memory.count_steps(slots, rows.on & ~rows.slow, rows.slow)
+
+    def _score_buffer(self, rows: int) -> torch.Tensor:
+        """Slow-step logits [rows, H_q, N] float32, N = req_to_token's width (the torch
+        reference: this step's longest context)."""
+        if not self.memory.packed:
+            return torch.empty((rows, self.num_q_heads, self._ref_len), dtype=torch.float32,
+                               device=self.memory.device)
+        width = self.req_to_token_pool.req_to_token.shape[1]
+        buf = self._scores
+        if buf is None or buf.shape[0] < rows:
+            buf = self._scores = torch.empty((rows, self.num_q_heads, width), dtype=torch.float32,
+                                             device=self.memory.device)
+        return buf[:rows]
 
     # ------------------------------------------------------------------ forward
-    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        if forward_batch.forward_mode.is_decode():
-            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
-        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
-
     def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
-                       save_kv_cache=True):
+                       save_kv_cache=True, **kwargs):
         o = self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         self._store_key_norms(k, layer, forward_batch, save_kv_cache)
         mode = forward_batch.forward_mode
@@ -389,48 +436,109 @@ class SFIAttnBackend:
         return o
 
     def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
-                       save_kv_cache=True):
-        plan = self.plan
+                       save_kv_cache=True, **kwargs):
+        """One layer of a decode step: device work only (CUDA-graph capturable), except the
+        host-path rows of an eager step."""
+        rows, lid = self.step.rows, layer.layer_id
         self._store_key_norms(k, layer, forward_batch, save_kv_cache)
-        lr = plan.layer_rows(layer.layer_id) if plan is not None else None
-        if lr is None or lr.all_dense:
+        if rows is None or (lid in self.cfg.dense_layers and not self._host_rows):
+            # a layer every request keeps dense: SGLang's own dense decode
             return self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         if save_kv_cache and k is not None and v is not None:
             self._save_kv(layer, forward_batch, k, v)
+        with no_host_reads(self._sync_guard):
+            o = self._decode_device(q, lid, rows, forward_batch, layer)
+        if self._host_rows:
+            self._host_decode(lid, o, q.reshape(o.shape), *self._kv(lid), forward_batch, layer.scaling)
+        return o.reshape(o.shape[0], -1)
+
+    def _kv(self, lid):
+        pool = self.token_to_kv_pool
+        return pool.get_key_buffer(lid), pool.get_value_buffer(lid), self.req_to_token_pool.req_to_token
+
+    def _decode_device(self, q, lid, rows, forward_batch, layer):
+        """The device path of one sparse layer: fast attention for every row, then, under
+        a conditional node, the dense pass of slow and dense rows and the Selector."""
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        o = q.new_empty((q.shape[0], layer.tp_q_head_num, layer.v_head_dim))
-        lid, mem, scale = layer.layer_id, self.memory, layer.scaling
-        kc = self.token_to_kv_pool.get_key_buffer(lid)
-        vc = self.token_to_kv_pool.get_value_buffer(lid)
-        r2t = self.req_to_token_pool.req_to_token
-        rpi, seq_lens = plan.slots, plan.seq_lens
-        if lr.fast is not None:
-            if lr.fast_plan is UNPLANNED:  # first layer of this row pattern in the step
-                lr.fast_plan = mem.plan_fast(lr.pattern, rpi[lr.fast], seq_lens[lr.fast],
-                                             layer.tp_q_head_num // layer.tp_k_head_num, scale)
-            o[lr.fast] = mem.attend_fast(lid, q[lr.fast], kc, vc, r2t, rpi[lr.fast], seq_lens[lr.fast],
-                                         scale, fast_plan=lr.fast_plan)
-        for g in lr.slow:
-            sl = seq_lens[g.rows]
-            o[g.rows], scores = mem.attend_slow(lid, q[g.rows], kc, vc, r2t, g.slots, sl, scale,
-                                                max_len=g.n_max)
+        mem, scale = self.memory, layer.scaling
+        kc, vc, r2t = self._kv(lid)
+        slots, seq_lens = forward_batch.req_pool_indices, forward_batch.seq_lens
+        fast_plan = None
+        if mem.fast_path == "flashinfer":  # its host plan syncs: eager servers only (engine.py)
+            if self._fi_plan is None:
+                self._fi_plan = mem.plan_fast("step", slots, seq_lens,
+                                              layer.tp_q_head_num // layer.tp_k_head_num, scale)
+            fast_plan = self._fi_plan
+        o = mem.attend_fast(lid, q, kc, vc, r2t, slots, seq_lens, scale, max_len=self._ref_len,
+                            fast_plan=fast_plan)
+        dense_rows = rows.dense[:, lid]
+        slow_rows = rows.slow & ~dense_rows
+
+        def dense_pass():
+            # rows that are not slow or dense read nothing (length 0); their output stays fast
+            need = dense_rows | slow_rows
+            lens = torch.where(need, seq_lens, torch.zeros_like(seq_lens))
+            od, scores = mem.attend_slow(lid, q, kc, vc, r2t, slots, lens, scale,
+                                         scores_out=self._score_buffer(q.shape[0]))
+            o.copy_(torch.where(need[:, None, None], od, o))
             side = self.side_stream
             if side is None:
-                self._select_decode(lid, g, scores, sl)
-                continue
+                self._select_decode(lid, slots, slow_rows, scores, seq_lens)
+                return
             side.wait_stream(torch.cuda.current_stream(self.device))
             self._side_pending = True
             with torch.cuda.stream(side):
-                self._select_decode(lid, g, scores, sl)
-            for t in (scores, sl):  # made on the main stream, last used on the side stream
+                self._select_decode(lid, slots, slow_rows, scores, seq_lens)
+            for t in (scores, seq_lens, slow_rows):  # made on the main stream, used on the side
                 t.record_stream(side)
-        if lr.dense is not None:
-            o[lr.dense] = mem.attend_dense(q[lr.dense], kc, vc, r2t, rpi[lr.dense], seq_lens[lr.dense],
-                                           scale, max_len=lr.dense_n_max)
-        for i in lr.baseline:
-            pos = baseline_positions(plan.reqs[i].cfg, plan.seq_lens_cpu[i], q[i], kc, r2t[plan.slots_cpu[i]])
-            o[i] = mem._attend_positions_ref(q[i:i + 1], kc, vc, r2t, rpi[i:i + 1], [pos], scale, None)[0]
-        return o.reshape(o.shape[0], -1)
+
+        run_if(rows.need[lid], dense_pass)
+        return o
+
+    def _host_decode(self, lid, o, q, kc, vc, r2t, forward_batch, scale) -> None:
+        """Host-path rows of an eager step (the device path ran them dense): the eval's
+        baselines, and requests with their own budget, window or Selector (their slow steps
+        follow the policy's decision, their selection their own config)."""
+        mem = self.memory
+        for i, slot, req in self._host_rows:
+            cfg, n = req.cfg, int(forward_batch.seq_lens[i])
+            if lid in cfg.dense_layers:
+                continue  # dense: what the device path computed
+            rpi = forward_batch.req_pool_indices[i:i + 1]
+            if req.baseline:
+                pos = baseline_positions(cfg, n, q[i], kc, r2t[slot])
+                o[i] = mem._attend_positions_ref(q[i:i + 1], kc, vc, r2t, rpi, [pos], scale, None)[0]
+                continue
+            slow = self._host_slow(slot, req)
+            if not slow:
+                o[i] = mem.attend_fast(lid, q[i:i + 1], kc, vc, r2t, rpi, forward_batch.seq_lens[i:i + 1], scale)[0]
+                continue
+            _, scores = mem.attend_slow(lid, q[i:i + 1], kc, vc, r2t, rpi, forward_batch.seq_lens[i:i + 1],
+                                        scale, max_len=n)
+            sl = forward_batch.seq_lens[i:i + 1].to(torch.int64)
+            hi = (sl - cfg.window).clamp_min(cfg.sinks)
+            lo = torch.full_like(hi, cfg.sinks)
+            logits = scores.view(1, mem.num_kv_heads, -1, n)
+            pos = self._positions(cfg, logits, self.key_norms[lid], lo, hi, 1, norm_tokens=r2t[rpi, :n])
+            mem.store(lid, rpi, pos, (hi - lo).clamp_max(cfg.budget), hi, kc, vc, r2t, seq_lens=sl)
+
+    def _host_slow(self, slot: int, req: Request) -> bool:
+        """Whether a host-path request's step is slow (decided once per step, at its first
+        sparse layer): the policy's decision for it (StepPlan.begin), or no selection yet."""
+        step = int(self.step.steps[slot])
+        if getattr(req, "_slow_step", None) != step:
+            trig = bool(self.policy.since[slot] == 0) and step > 0
+            slow = req.refreshes and (trig if req.cfg.method == "sfi" else not req.has_selection)
+            slow = slow or (req.refreshes and not req.has_selection)
+            req._slow_step, req._slow = step, slow
+            if slow:
+                req.has_selection = True
+                self.step.slow_log[slot, min(int(self.step.slow_n[slot]), self.step.slow_log.shape[1] - 1)] = step
+                self.step.slow_n[slot] += 1
+                self.memory.counts[slot, 1] += 1
+            else:
+                self.memory.counts[slot, 0] += 1
+        return req._slow
 
     def _store_key_norms(self, k, layer, forward_batch, save_kv_cache):
         if save_kv_cache and k is not None:
@@ -474,25 +582,29 @@ class SFIAttnBackend:
             self.memory.store(lid, [slot], pos, min(cfg.budget, hi - lo), hi, k_cache,
                               self.token_to_kv_pool.get_value_buffer(lid), req_to_token,
                               seq_lens=torch.tensor([n]))
-            req.bootstrap = req.has_selection = True
+            if not req.bootstrap:
+                req.bootstrap = req.has_selection = True
+                if not req.host:
+                    self.step.has_sel[slot] = True
 
-    def _select_decode(self, lid, g: "SlowGroup", scores, seq_lens):
-        """Slow-step rows of one config: the Selector on their dense logits scores
-        [b, H_q, N], stored as the layer's new selection. No host sync, no host-made
-        tensor: CUDA-graph capturable (sfi_sglang.bench captures slow steps)."""
+    def _select_decode(self, lid, slots, slow_rows, scores, seq_lens):
+        """Slow rows of one layer: the Selector on their dense logits scores [B, H_q, N],
+        stored as the layer's new selection (rows that are not slow: no candidates, memory
+        unchanged). No host sync, no host-made tensor: CUDA-graph capturable."""
         b, hq, n = scores.shape
         hkv = self.memory.num_kv_heads
         logits = scores.view(b, hkv, hq // hkv, n)
-        tokens = self.req_to_token_pool.req_to_token[g.slots, :n]  # position -> KV slot
-        cfg = g.cfg
-        hi = (seq_lens - cfg.window).clamp_min(cfg.sinks)
+        tokens = self.req_to_token_pool.req_to_token[slots, :n]  # position -> KV slot
+        cfg = self.cfg
+        hi = (seq_lens.to(torch.int64) - cfg.window).clamp_min(cfg.sinks)
         lo = torch.full_like(hi, cfg.sinks)
+        hi = torch.where(slow_rows, hi, lo)
         # the Selector gathers the key norms of the candidates itself (in-kernel on CUDA)
         pos = self._positions(cfg, logits, self.key_norms[lid], lo, hi, 1, norm_tokens=tokens)
         pool = self.token_to_kv_pool
-        self.memory.store(lid, g.slots, pos, (hi - lo).clamp_max(cfg.budget), hi, pool.get_key_buffer(lid),
+        self.memory.store(lid, slots, pos, (hi - lo).clamp_max(cfg.budget), hi, pool.get_key_buffer(lid),
                           pool.get_value_buffer(lid), self.req_to_token_pool.req_to_token,
-                          seq_lens=seq_lens)
+                          seq_lens=seq_lens, rows=slow_rows)
 
     def _positions(self, cfg, logits, norms, lo, hi, n_rows, norm_tokens=None) -> torch.Tensor:
         """Selected positions [b, H_kv, <= K] (sorted, -1 padded) from logits [b, H_kv, R', N];
@@ -526,39 +638,53 @@ class SFIAttnBackend:
                 "num_boundary": int(self.policy.is_boundary.sum()),
                 "num_content": int(self.policy.is_content.sum()), "installed_at": time.time()}
 
-    def _mark_extra_boundaries(self, forward_batch, slow: torch.Tensor) -> None:
-        """Per-request boundaries on top of the server's table: the request's extra
-        boundary ids (custom_params[EXTRA_IDS_KEY]) and grammar-aware boundaries (a
-        grammar of sfi_sglang.grammar flags the token that ended a JSON field). Such an
-        input token makes the refresh pending, as a table boundary does in
-        TriggerPolicy.step (outside the cooldown, not at a slow step)."""
+    def _mark_extra_boundaries(self, forward_batch) -> None:
+        """Per-request boundaries on top of the server's table (eager steps; host): the
+        request's extra boundary ids (custom_params[EXTRA_IDS_KEY]) and grammar-aware
+        boundaries (a grammar of sfi_sglang.grammar flags the token that ended a JSON field).
+        Such an input token makes the refresh pending after this step, as a table boundary
+        does in TriggerPolicy.step (outside the cooldown, not at a slow step):
+        _begin_decode applies it."""
+        self._extra_rows = None
         rids = forward_batch.rids or []
-        info = forward_batch.sampling_info
+        info = getattr(forward_batch, "sampling_info", None)
         grammars = (getattr(info, "grammars", None) if info is not None else None) or []
         extra = [(REQUEST_PARAMS.get(rid) or {}).get(EXTRA_IDS_KEY) for rid in rids]
         if not any(extra) and not any(g is not None for g in grammars):
             return  # the common case: no host work
         ids = forward_batch.input_ids.tolist()
         hit = []
-        for i, slot in enumerate(forward_batch.req_pool_indices.tolist()):
+        for i in range(len(rids)):
             g = grammars[i] if i < len(grammars) else None
             flagged = bool(getattr(g, "sfi_boundary", False))
             if flagged:
                 g.sfi_boundary = False
-            if (flagged or (i < len(extra) and extra[i] and ids[i] in extra[i])) and not bool(slow[i]):
-                hit.append(slot)
+            if flagged or (extra[i] and ids[i] in extra[i]):
+                hit.append(i)
         if hit:
-            pol = self.policy
-            s = torch.tensor(hit, dtype=torch.int64, device=pol.pending.device)
-            pol.pending[s] |= pol.since[s] > pol.cooldown[s]
+            self._extra_rows = torch.tensor(hit, dtype=torch.int64)
 
-    # ------------------------------------------------------------------ SGLang hooks
+    def _apply_extra_boundaries(self, slots, slow) -> None:
+        rows = self._extra_rows
+        if rows is None:
+            return
+        self._extra_rows = None
+        pol = self.policy
+        rows = rows.to(slots.device)
+        s = slots[rows].to(torch.int64)
+        pol.pending[s] |= (pol.since[s] > pol.cooldown[s]) & ~slow[rows]
+
+    # ------------------------------------------------------------------ reporting
     def __getattr__(self, name):
-        # Everything SFI does not change (CUDA-graph hooks, support_triton, ...) is the
-        # dense backend's.
-        return getattr(self.dense, name)
+        # Extras of the dense backend that SGLang's model code may ask of the backend in
+        # use (the base class's methods and flags are ours, see __init__).
+        dense = self.__dict__.get("dense")
+        if dense is None:
+            raise AttributeError(name)
+        return getattr(dense, name)
 
     def request_stats(self, rid: str, finished: bool) -> Optional[dict]:
+        """What meta_info["sfi"] reports for a request (host sync: when its output is sent)."""
         if finished:
             REQUEST_PARAMS.pop(rid, None)
         entry = self.by_rid.pop(rid, None) if finished else self.by_rid.get(rid)
@@ -566,77 +692,8 @@ class SFIAttnBackend:
             return None
         slot, req = entry
         fast, slow = self.memory.counts[slot].tolist()
-        return req.stats(fast, slow)
-
-
-# Slow steps' score buffers are sized in steps of this many positions (past a row's context
-# the scores are -inf), so a captured slow step serves the next SCORE_BUCKET contexts.
-SCORE_BUCKET = 512
-
-
-UNPLANNED = object()
-
-
-@dataclass
-class SlowGroup:
-    """Slow-step rows of one config (made once per forward, so layers do no host work)."""
-
-    cfg: SFIConfig
-    rows: torch.Tensor  # batch rows
-    slots: torch.Tensor  # their request-pool slots
-    n_max: int  # the score buffer's length: max context, rounded up to SCORE_BUCKET
-
-
-@dataclass
-class LayerRows:
-    """Batch rows of one layer by what they compute (index tensors on the batch's device)."""
-
-    fast: Optional[torch.Tensor]
-    slow: list[SlowGroup]  # one group per config
-    dense: Optional[torch.Tensor]
-    dense_n_max: int
-    baseline: list[int]
-    all_dense: bool
-    pattern: int = 0  # which of the step's row patterns this is
-    fast_plan: object = UNPLANNED  # SparseMemory.plan_fast's result, made at the first layer
-
-
-@dataclass
-class DecodePlan:
-    kinds: list[str]  # per batch row: "fast" | "slow" | "dense" | "baseline"
-    reqs: list[Optional[Request]]
-    slots: torch.Tensor  # req_pool_indices
-    seq_lens: torch.Tensor
-    seq_lens_cpu: list[int]
-    slots_cpu: list[int]
-    max_context: int  # req_to_token's width: no score buffer is longer
-    _layers: dict = field(default_factory=dict)
-
-    def layer_rows(self, layer_id: int) -> LayerRows:
-        """Rows of this layer: a row whose config keeps the layer dense is dense there.
-        Computed once per pattern of dense rows per forward."""
-        kinds = tuple("dense" if k != "dense" and layer_id in self.reqs[i].cfg.dense_layers else k
-                      for i, k in enumerate(self.kinds))
-        if kinds not in self._layers:
-            dev = self.slots.device
-            idx = lambda kind: [i for i, k in enumerate(kinds) if k == kind]
-            as_rows = lambda rows: torch.tensor(rows, dtype=torch.int64, device=dev) if rows else None
-            groups: dict = {}
-            for i in idx("slow"):
-                groups.setdefault(self.reqs[i].cfg, []).append(i)
-            slow = []
-            for cfg, rows in groups.items():
-                n_max = max(self.seq_lens_cpu[i] for i in rows)
-                r = as_rows(rows)
-                slow.append(SlowGroup(cfg=cfg, rows=r, slots=self.slots[r],
-                                      n_max=min(-(-n_max // SCORE_BUCKET) * SCORE_BUCKET, self.max_context)))
-            dense = idx("dense")
-            self._layers[kinds] = LayerRows(
-                fast=as_rows(idx("fast")), slow=slow, dense=as_rows(dense),
-                dense_n_max=max([self.seq_lens_cpu[i] for i in dense], default=0),
-                baseline=idx("baseline"), all_dense=all(k == "dense" for k in kinds),
-                pattern=len(self._layers))
-        return self._layers[kinds]
+        _, slow_at = self.step.read(slot)
+        return req.stats(fast, slow, slow_at)
 
 
 def baseline_positions(cfg: SFIConfig, n: int, q, k_cache, tokens) -> torch.Tensor:

@@ -11,10 +11,10 @@ plain-torch decoder. The dense baseline is the same paged flash-decoding Triton 
 slow steps use (kernels.dense_decode, SGLang's triton-backend design), so dense and SFI
 share every non-attention op.
 
-Steps: every decode step of the model (embedding to greedy argmax) is one CUDA graph: SFI
-steps whose rows are all fast replay a graph captured with an all-fast plan, steps whose
-rows are all slow one captured per score-buffer length (backend.SCORE_BUCKET); mixed steps
-run eagerly (here the requests start together, so slow steps are all-slow). Random
+Steps: every decode step of the model (embedding to greedy argmax) is one CUDA graph; for
+SFI one graph serves every step, fast or slow, as in SGLang's graph runner: the device-side
+step plan (sfi_sglang.step) decides the rows inside it and a conditional node runs the slow
+pass only when some row needs it. Random
 weights make boundaries meaningless, so SFI refreshes every `--slow-every` steps
 (`refresh="interval"`): a realistic rate of one slow step per ~24 tokens. The prompt's K/V
 are random values written straight into the pools (no prefill); a request's first decode
@@ -120,12 +120,12 @@ class DenseBackend:
     the torch reference off CUDA)."""
 
     def __init__(self, req_to_token_pool, kv_pool, max_len: int):
-        from sfi_sglang.memory import load_kernels
+        from sfi_sglang import kernels
 
         self.r2t = req_to_token_pool.req_to_token
         self.kv = kv_pool
         self.max_len = max_len
-        self.k = load_kernels()
+        self.k = kernels
 
     def init_forward_metadata(self, forward_batch):
         pass
@@ -415,7 +415,7 @@ class Runner:
         self.graphs = use_graphs and st.fb.seq_lens.is_cuda
         self.cuda = st.fb.seq_lens.is_cuda
         self._dense_g = None
-        self._step_graphs = {}  # SFI step graphs: "fast", or the slow steps' score lengths
+        self._sfi_graph = None  # (graph, output ids) of one SFI step
 
     def _timer(self):
         if self.cuda:
@@ -455,53 +455,54 @@ class Runner:
     def run_sfi(self, first_ids, steps):
         """First step (the bootstrap-less first selection) untimed, then `steps` timed."""
         st, m, be = self.st, self.st.model, self.st.sfi
-        s = m.s
         st.reset(first_ids)
         out = []
-        slow_steps = 0
 
-        def eager():
-            return m.step(be, st.fb)
+        def slow_count():
+            return int(be.memory.counts[st.fb.req_pool_indices, 1].sum())
 
         def one():
-            nonlocal slow_steps
-            be.init_forward_metadata(st.fb)
-            plan = be.plan
-            slow = any(k == "slow" for k in plan.kinds)
-            slow_steps += slow
-            if not self.graphs or len(set(plan.kinds)) != 1:
-                return eager()
-            # all rows fast: one graph; all rows slow: one graph per score-buffer length
-            key = "fast" if not slow else tuple(g.n_max for g in plan.layer_rows(s.layers - 1).slow)
-            if key not in self._step_graphs:
-                self._step_graphs[key] = (*self._capture(plan), plan)  # the graph reads the plan's index tensors
-            graph, out_ids, _ = self._step_graphs[key]
+            # SGLang's protocol: the host part outside the graph, the step plan and the
+            # model inside it; one graph serves any mix of fast, slow and dense rows
+            be._out_graph(st.fb)
+            if not self.graphs:
+                be._in_graph(st.fb)
+                return m.step(be, st.fb)
+            if self._sfi_graph is None:
+                self._sfi_graph = self._capture()
+            graph, out_ids = self._sfi_graph
             graph.replay()
             return out_ids
 
         nxt = one()  # first decode step: every request selects (slow)
         out.append(nxt.clone())
         st.advance(nxt)
-        slow_steps = 0
+        slow0 = slow_count()
         t0 = self._timer()
         for _ in range(steps):
             nxt = one()
             out.append(nxt.clone())
             st.advance(nxt)
         t1 = self._timer()
+        slow_steps = (slow_count() - slow0) // max(1, st.B)
         return torch.stack(out, 1), self._elapsed(t0, t1), slow_steps
 
-    def _capture(self, plan):
-        """A graph of one SFI step with this plan (its index tensors made before capture);
-        the batch's tensors are restored after the warm-up runs."""
+    def _capture(self):
+        """A graph of one SFI step (step plan + model); the batch's tensors and the step
+        plan's state are restored after the warm-up runs."""
         st, m, be = self.st, self.st.model, self.st.sfi
-        for lid in range(m.s.layers):
-            plan.layer_rows(lid)
         fb = st.fb
         live = (fb.seq_lens, fb.positions, fb.out_cache_loc, fb.input_ids)
-        saved = [t.clone() for t in live]
-        graph = _graph(lambda: m.step(be, fb))
-        for t, v in zip(live, saved):
+        state = (be.step.steps, be.step.slow_n, be.step.slow_log, be.step.has_sel, be.memory.counts,
+                 be.policy.since, be.policy.pending)
+        saved = [t.clone() for t in live + state]
+
+        def step():
+            be._in_graph(fb)
+            return m.step(be, fb)
+
+        graph = _graph(step)
+        for t, v in zip(live + state, saved):
             t.copy_(v)
         return graph
 
@@ -534,34 +535,24 @@ class Runner:
         st.reset(first_ids)
         be.init_forward_metadata(st.fb)  # the first step selects (no selection yet)
         st.advance(m.step(be, st.fb))
-        be.init_forward_metadata(st.fb)  # then a fast plan (interval >= 2)
-        assert all(k_ == "fast" for k_ in be.plan.kinds), be.plan.kinds
-        for lid in range(s.layers):
-            be.plan.layer_rows(lid)
-        fast_plan = be.plan
+        be.init_forward_metadata(st.fb)  # then a fast step (interval >= 2)
+        assert not bool(be.step.rows.slow.any())
         last = attn[-1]
         kc, vc = st.kv.get_key_buffer(last.layer_id), st.kv.get_value_buffer(last.layer_id)
         q3 = q.view(B, s.heads, s.head_dim)
 
-        layer_plan = be.memory.plan_fast("parts", st.fb.req_pool_indices, st.fb.seq_lens,
-                                         s.heads // s.kv_heads, last.scaling)
-
         def fast_layer():  # one sparse layer's fast attention alone (SparseMemory -> kernel)
             be.memory.attend_fast(last.layer_id, q3, kc, vc, st.r2t_pool.req_to_token,
-                                  st.fb.req_pool_indices, st.fb.seq_lens, last.scaling,
-                                  fast_plan=layer_plan)
+                                  st.fb.req_pool_indices, st.fb.seq_lens, last.scaling)
 
         for name, fn in (("none", none), ("dense_attn", dense_attn), ("fast_attn", sfi_attn),
                          ("dense_layer", lambda: st.dense.forward_decode(q, k, v, last, st.fb)),
                          ("fast_layer", fast_layer)):
-            be.plan = fast_plan
             res[name] = self._time(fn, reps)
-        # slow attention: a plan whose rows are all slow (forced), eager
+        # slow attention: every row slow (forced)
         be.policy.since[st.fb.req_pool_indices] = be.policy.max_interval[st.fb.req_pool_indices]
         be.init_forward_metadata(st.fb)
-        assert all(k_ == "slow" for k_ in be.plan.kinds), be.plan.kinds
-        for lid in range(s.layers):
-            be.plan.layer_rows(lid)
+        assert bool(be.step.rows.slow.all())
         res["slow_attn"] = self._time(sfi_attn, reps)
         return res
 

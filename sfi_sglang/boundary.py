@@ -10,9 +10,12 @@ items ("1.") count as boundaries when they are single tokens; "3.14" does not.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from sfi_sglang.config import SFIConfig
+if TYPE_CHECKING:  # only for annotations: config imports this module (spec validation)
+    from sfi_sglang.config import SFIConfig
 
 MARK_CLASSES = {
     "latin": (".", "?", "!", "\u2026"),          # . ? ! …

@@ -52,16 +52,15 @@ def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict
                 "drop it (SFI runs its own dense backend for slow steps) or disable SFI"
             )
         out["attention_backend"] = "sfi"
-        if has_gpu():
-            # The sfi backend plans each decode step on the host (fast/slow rows, Selector
-            # groups) in init_forward_metadata; SGLang's CUDA-graph runner would replay a
-            # stale plan, and the overlap scheduler would reset a reallocated slot's memory
-            # while the previous step may still read it. Graphs of SFI steps exist only in
-            # sfi_sglang.bench so far (bench/NOTES.md, "End to end").
-            for key in ("disable_cuda_graph", "disable_overlap_schedule"):
-                if out.get(key) is False:
-                    raise ValueError(f"{key}=False is not supported with SFI on CUDA yet; drop it or disable SFI")
-                out[key] = True
+        # SFI keeps SGLang's CUDA graphs and overlap scheduler (its decode step is device
+        # work: sfi_sglang.step). Without graphs, per-request options that the device step
+        # cannot serve are allowed too (sfi_sglang.requests.on_device_path).
+        from sfi_sglang.requests import EAGER_ENV
+
+        os.environ[EAGER_ENV] = "1" if out.get("disable_cuda_graph") else "0"
+        if cfg.fast_path == "flashinfer" and has_gpu() and not out.get("disable_cuda_graph"):
+            raise ValueError("--sfi-fast-path flashinfer plans each step on the host: it needs "
+                             "--disable-cuda-graph (or keep the default --sfi-fast-path triton)")
         # Each request slot holds SFI's sparse memory (on CUDA ~0.3 GB for Qwen3-4B at the
         # default budget, SparseMemory.slot_bytes); SGLang's default is 2048+ slots.
         out.setdefault("max_running_requests", SFI_MAX_RUNNING_REQUESTS)

@@ -140,7 +140,10 @@ def run(args) -> dict:
     max_window = max(budget_for(r, n)["window"] for r in retentions for n in contexts)
     engine = sfi_sglang.Engine(sfi_budget=max_total, sfi_window=max_window, sfi_sinks=SINKS,
                                enable_custom_logit_processor=True, disable_radix_cache=True,
-                               mem_fraction_static=args.mem_fraction_static)
+                               mem_fraction_static=args.mem_fraction_static,
+                               # every method is a per-request config (budget, window, method):
+                               # the host path of sfi_sglang.requests, eager decode steps only
+                               disable_cuda_graph=True)
     force = TeacherForce.to_str()
     tok = engine.tokenizer_manager.tokenizer
     rows = []

@@ -27,43 +27,11 @@ kernels.dense_decode_with_scores (packed) or kernels.reference (CPU).
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
 from typing import Iterable, Optional
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-# kernels/ ships as sfi_sglang/kernels when installed; in a source checkout it is a sibling.
-_KERNELS_DIR = next(d for d in (pathlib.Path(__file__).resolve().parent / "kernels",
-                                pathlib.Path(__file__).resolve().parents[1] / "kernels")
-                    if (d / "reference.py").is_file())
-
-
-def load_kernels():
-    """The kernels package: `sfi_sglang.kernels` when installed (package-dir mapping),
-    else kernels/ of this checkout loaded by path under the same name."""
-    mod = sys.modules.get("sfi_sglang.kernels")
-    if mod is not None:
-        return mod
-    try:
-        from sfi_sglang import kernels  # noqa: F401
-
-        return kernels
-    except ImportError:
-        pass
-    spec = importlib.util.spec_from_file_location(
-        "sfi_sglang.kernels", _KERNELS_DIR / "__init__.py",
-        submodule_search_locations=[str(_KERNELS_DIR)])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["sfi_sglang.kernels"] = mod
-    try:
-        spec.loader.exec_module(mod)
-    except Exception:
-        del sys.modules["sfi_sglang.kernels"]
-        raise
-    return mod
 
 
 class SparseMemory:
@@ -122,7 +90,7 @@ class SparseMemory:
             self.packed_k = [torch.zeros(M, H, P, self.head_dim, dtype=dtype, device=dev) for _ in range(L)]
             self.packed_v = [torch.zeros(M, H, P, self.head_dim, dtype=dtype, device=dev) for _ in range(L)]
             self.packed_len = torch.zeros(M, dtype=torch.int32, device=dev)
-        self._k = load_kernels() if self.packed else None
+        self._k = _kernels() if self.packed else None
         self._ar_k = torch.arange(K, device=dev)
         self._ar_s = torch.arange(self.sinks, device=dev)
 
@@ -162,11 +130,11 @@ class SparseMemory:
         if self.packed_len is not None:
             self.packed_len[s] = 0
 
-    def count_steps(self, fast_slots: torch.Tensor, slow_slots: torch.Tensor) -> None:
-        """One decode step of these requests: fast ones and slow ones (no host sync)."""
-        for col, s in ((0, fast_slots), (1, slow_slots)):
-            if s.numel():
-                self.counts[self._slots(s), col] += 1
+    def count_steps(self, slots: torch.Tensor, fast: torch.Tensor, slow: torch.Tensor) -> None:
+        """One decode step of the requests in `slots` [B]: fast [B] and slow [B] bool say
+        which rows were which (no host sync; slots are distinct but for padding slot 0)."""
+        s = self._slots(slots)
+        self.counts[s] = self.counts[s] + torch.stack([fast, slow], 1).to(torch.int64)
 
     def export(self, slot: int):
         """(positions [L_sparse, H_kv, K] int32, count, win_start) of a slot's selection:
@@ -192,15 +160,16 @@ class SparseMemory:
     # ------------------------------------------------------------------ slow step: record
     def store(self, layer_id: int, slots, positions: torch.Tensor, sel_count, win_start,
               k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
-              seq_lens: Optional[torch.Tensor] = None) -> None:
+              seq_lens: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None) -> None:
         """Record a selection of one layer for rows `slots` [b].
 
         positions [b, H_kv, K'] int (K' <= K; sorted ascending, -1 padded; entries at or
         past sel_count are ignored), sel_count [b], win_start [b] (= hi of the selection),
         seq_lens [b] optional: context length at the selection, only needed when it can be
         shorter than the sinks (then only min(S, n) sinks exist yet; default: n >= S).
-        When packed, copies sinks + selected K/V into the packed buffers (kernels.pack).
-        No host sync.
+        rows [b] bool, optional: only these rows are stored (the others keep their memory;
+        a decode step's slow rows among all). When packed, copies sinks + selected K/V
+        into the packed buffers (kernels.pack). No host sync.
         """
         li = self.layer_index[layer_id]
         s = self._slots(slots)
@@ -216,26 +185,31 @@ class SparseMemory:
         pos = torch.where(valid, positions.to(torch.int32), -1)
         if kp < self.budget:
             pos = torch.nn.functional.pad(pos, (0, self.budget - kp), value=-1)
-        self.sel_pos[li, s] = pos
-        self.sel_count[s] = cnt.to(torch.int32)
-        self.win_start[s] = torch.as_tensor(win_start, device=dev).to(torch.int64).reshape(-1).expand(b)
+        ws = torch.as_tensor(win_start, device=dev).to(torch.int64).reshape(-1).expand(b)
         if seq_lens is None:
             ns = torch.full((b,), self.sinks, dtype=torch.int32, device=dev)
         else:
             ns = torch.clamp(torch.as_tensor(seq_lens, device=dev).to(torch.int64).reshape(-1),
                              max=self.sinks).to(torch.int32).expand(b)
-        self.n_sinks[s] = ns
-        self.fast_ws[s] = self._fast_window_start(s)
+        keep = (lambda new, old: new) if rows is None else (
+            lambda new, old: torch.where(rows.reshape((b,) + (1,) * (new.dim() - 1)), new, old))
+        self.sel_pos[li, s] = keep(pos, self.sel_pos[li, s])
+        self.sel_count[s] = keep(cnt.to(torch.int32), self.sel_count[s])
+        self.win_start[s] = keep(ws, self.win_start[s])
+        self.n_sinks[s] = keep(ns, self.n_sinks[s])
+        self.fast_ws[s] = keep(self._fast_window_start(s), self.fast_ws[s])
         if self.fast_path != "triton":
             return
         # packed rows: sinks [0, n_sinks) then the selected positions (valid prefix, -1 after)
         H = self.num_kv_heads
         sink = torch.where(self._ar_s[None, :] < ns[:, None], self._ar_s[None, :].to(torch.int32), -1)
-        rows = torch.cat([sink[:, None, :].expand(b, H, self.sinks), pos[..., :kp]], dim=-1)
+        packed = torch.cat([sink[:, None, :].expand(b, H, self.sinks), pos[..., :kp]], dim=-1)
+        if rows is not None:  # rows not stored pack nothing (-1 positions are skipped)
+            packed = torch.where(rows[:, None, None], packed, -1)
         # when n_sinks < S the selection is empty, so -1s stay a suffix
-        self._k.pack(k_cache, v_cache, req_to_token, s, rows.contiguous(),
+        self._k.pack(k_cache, v_cache, req_to_token, s, packed.contiguous(),
                      self.packed_k[li], self.packed_v[li])
-        self.packed_len[s] = ns + cnt.to(torch.int32)
+        self.packed_len[s] = keep(ns + cnt.to(torch.int32), self.packed_len[s])
 
     # ------------------------------------------------------------------ fast step
     def _fast_window_start(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
@@ -264,10 +238,12 @@ class SparseMemory:
 
     def attend_fast(self, layer_id: int, q: torch.Tensor, k_cache, v_cache, req_to_token,
                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
-                    out: Optional[torch.Tensor] = None, fast_plan=None, **kernel_kw) -> torch.Tensor:
+                    out: Optional[torch.Tensor] = None, fast_plan=None, max_len: Optional[int] = None,
+                    **kernel_kw) -> torch.Tensor:
         """Fast-step attention q [b, H_q, D] -> [b, H_q, D] over sinks + selected + window.
         Triton: one kernels.fast_decode launch (no host sync); FlashInfer: `fast_plan` from
-        plan_fast for these rows; else the torch reference."""
+        plan_fast for these rows; else the torch reference over the first max_len
+        positions (default max(seq_lens), a host read)."""
         li = self.layer_index[layer_id]
         rpi = req_pool_indices.to(self.device).long()
         if self.fast_path == "flashinfer":
@@ -278,8 +254,60 @@ class SparseMemory:
             return self._k.fast_decode(q, k_cache, v_cache, req_to_token, rpi, seq_lens, ws,
                                        self.packed_k[li], self.packed_v[li], self.packed_len,
                                        sm_scale, out=out, **kernel_kw)
-        return self._attend_fast_ref(li, q, k_cache, v_cache, req_to_token, rpi, seq_lens,
-                                     sm_scale, out)
+        n = self._ref_len(seq_lens, max_len)
+        allowed = self._fast_mask(li, rpi, seq_lens, n)
+        return self._attend_masked_ref(q, k_cache, v_cache, req_to_token, rpi, allowed, sm_scale, out)
+
+    # ------------------------------------------------------------------ torch reference
+    # The CPU path: every row of a batch at once (no per-row Python loop, no host read), over
+    # the first n positions of each row, n a host int the caller knows (SGLang's
+    # seq_lens_cpu); each row attends to the positions its mask allows.
+    @staticmethod
+    def _ref_len(seq_lens, max_len) -> int:
+        if max_len is not None:
+            return int(max_len)
+        return int(seq_lens.max()) if seq_lens.numel() else 0
+
+    def _fast_mask(self, li, rpi, seq_lens, n: int) -> torch.Tensor:
+        """[b, H_kv, n] bool: sinks [0, min(S, t)), the selected positions, the window
+        [max(win_start, S), t): a fast step's positions (fast_positions) as a mask."""
+        j = torch.arange(n, device=self.device)
+        t = seq_lens.to(self.device, torch.int64)[:, None, None]
+        ws = self.win_start[rpi].clamp_min(self.sinks)[:, None, None]
+        keep = (j < self.sinks) | (j >= ws)
+        sel = self.sel_pos[li, rpi].long()  # [b, H, K], -1 padded
+        hit = torch.zeros(sel.shape[0], sel.shape[1], n + 1, dtype=torch.bool, device=self.device)
+        hit.scatter_(2, torch.where((sel >= 0) & (sel < n), sel, n), True)
+        return (keep | hit[..., :n]) & (j < t)
+
+    def _attend_masked_ref(self, q, k_cache, v_cache, req_to_token, rpi, allowed, sm_scale, out,
+                           logits_out=None):
+        """q [b, H_q, D] over positions allowed [b, H_kv, n] (float32 arithmetic); rows with
+        nothing allowed give 0. logits_out [b, H_q, >= n]: the raw logits of every position
+        < n (-inf where the row's context ends, i.e. past allowed for a dense mask)."""
+        b, hq, d = q.shape
+        n = allowed.shape[-1]
+        if out is None:
+            out = q.new_empty((b, hq, v_cache.shape[-1]))
+        if b == 0:
+            return out
+        h = self.num_kv_heads
+        tok = req_to_token[rpi, :n].long()                                       # [b, n]
+        tok = torch.where(allowed.any(1), tok, 0)  # past a row's context: any valid KV slot
+        qg = q.float().view(b, h, hq // h, d)
+        logits = torch.matmul(qg, k_cache[tok].float().permute(0, 2, 3, 1)) * sm_scale  # [b, h, g, n]
+        if logits_out is not None:
+            logits_out[:, :, :n] = logits.masked_fill(~allowed[:, :, None, :], float("-inf")).reshape(b, hq, n)
+            logits_out[:, :, n:] = float("-inf")
+        p = torch.softmax(logits.masked_fill(~allowed[:, :, None, :], float("-inf")), -1)
+        p = torch.nan_to_num(p, nan=0.0)
+        o = torch.einsum("bhgn,bnhd->bhgd", p, v_cache[tok].float())
+        out.copy_(o.reshape(b, hq, -1).to(out.dtype))
+        return out
+
+    def _dense_mask(self, seq_lens, n: int) -> torch.Tensor:
+        j = torch.arange(n, device=self.device)
+        return (j < seq_lens.to(self.device, torch.int64)[:, None]).unsqueeze(1).expand(-1, self.num_kv_heads, -1)
 
     def fast_positions(self, layer_id: int, slot: int, t: int) -> torch.Tensor:
         """Positions [H_kv, L] int64 of a fast step of `slot` at context length t (sinks,
@@ -293,13 +321,6 @@ class SparseMemory:
         sinks = torch.arange(min(S, t), device=self.device).expand(H, -1)
         window = torch.arange(min(max(ws, S), t), t, device=self.device).expand(H, -1)
         return torch.cat([sinks, sel, window], dim=1)
-
-    def _attend_fast_ref(self, li, q, k_cache, v_cache, req_to_token, rpi, seq_lens, sm_scale, out):
-        slots, ts = rpi.tolist(), seq_lens.tolist()
-        counts, wss = self.sel_count[rpi].tolist(), self.win_start[rpi].tolist()
-        pos = [self._positions(li, slots[i], int(ts[i]), int(counts[i]), int(wss[i]))
-               for i in range(q.shape[0])]
-        return self._attend_positions_ref(q, k_cache, v_cache, req_to_token, rpi, pos, sm_scale, out)
 
     def _attend_positions_ref(self, q, k_cache, v_cache, req_to_token, rpi, positions, sm_scale, out):
         """q [B, H_q, D] of rows rpi over positions[i] [H_kv, L_i] (torch reference): one
@@ -315,6 +336,9 @@ class SparseMemory:
         heads = torch.arange(H, device=self.device)[None, None, :]
         for L, idx in groups.items():
             rows = torch.tensor(idx, device=self.device)
+            if L == 0:  # nothing to attend (a row masked out of this pass)
+                out[rows] = 0
+                continue
             pos = torch.stack([positions[i] for i in idx])                           # [g, H, L]
             tok = req_to_token[rpi[rows]].long()                                     # [g, N]
             kv_slot = torch.gather(tok, 1, pos.reshape(len(idx), -1)).view(len(idx), H, L)
@@ -337,9 +361,9 @@ class SparseMemory:
         if self.packed:
             return self._k.dense_decode(q, k_cache, v_cache, req_to_token, rpi, seq_lens, sm_scale,
                                         out=out, max_len=max_len)
-        pos = [torch.arange(int(n), device=self.device).expand(self.num_kv_heads, -1)
-               for n in seq_lens.tolist()]
-        return self._attend_positions_ref(q, k_cache, v_cache, req_to_token, rpi, pos, sm_scale, out)
+        n = self._ref_len(seq_lens, max_len)
+        return self._attend_masked_ref(q, k_cache, v_cache, req_to_token, rpi,
+                                       self._dense_mask(seq_lens, n), sm_scale, out)
 
     # ------------------------------------------------------------------ slow step
     def attend_slow(self, layer_id: int, q: torch.Tensor, k_cache, v_cache, req_to_token,
@@ -356,29 +380,19 @@ class SparseMemory:
             return self._k.dense_decode_with_scores(q, k_cache, v_cache, req_to_token, rpi,
                                                     seq_lens, sm_scale, scores_out=scores_out,
                                                     out=out, max_len=max_len)
-        ref = _reference()
         if out is None:
             out = torch.empty_like(q)
+        n = scores_out.shape[2] if scores_out is not None else self._ref_len(seq_lens, max_len)
         if scores_out is None:
-            n_max = max_len if max_len is not None else (int(seq_lens.max()) if q.shape[0] else 0)
-            scores_out = torch.empty((q.shape[0], q.shape[1], n_max), dtype=torch.float32,
-                                     device=q.device)
-        if q.shape[0] == 0:
-            return out, scores_out
-        ref.ref_dense_decode_with_scores(q, k_cache, v_cache, req_to_token, rpi, seq_lens, sm_scale,
-                                         scores_out=scores_out, compute_dtype=torch.float32)
-        return self.attend_dense(q, k_cache, v_cache, req_to_token, rpi, seq_lens, sm_scale, out), scores_out
+            scores_out = torch.empty((q.shape[0], q.shape[1], n), dtype=torch.float32, device=q.device)
+        self._attend_masked_ref(q, k_cache, v_cache, req_to_token, rpi, self._dense_mask(seq_lens, n),
+                                sm_scale, out, logits_out=scores_out)
+        return out, scores_out
 
 
-def _reference():
-    """kernels/reference.py loaded by path (pure torch: the CPU path never imports triton,
-    which would fix TRITON_INTERPRET for the whole process)."""
-    name = "_sfi_kernels_reference"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, _KERNELS_DIR / "reference.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def _kernels():
+    """The Triton kernels package (imported on first use: the CPU path never imports
+    Triton, which would fix TRITON_INTERPRET for the whole process)."""
+    from sfi_sglang import kernels
 
+    return kernels

@@ -169,6 +169,14 @@ def _path(node: TreeNode, root: TreeNode) -> list[tuple[TreeNode, int]]:
     return out
 
 
+def sfi_backend(req_to_token_pool):
+    """The `sfi` attention backend serving this request pool, or None: the backend and
+    this cache share SGLang's ReqToTokenPool (the backend indexes its memories by its
+    slots), and SFIAttnBackend.__init__ registers itself on it as `sfi_backend`, so this
+    module needs no state of the backend's module."""
+    return getattr(req_to_token_pool, "sfi_backend", None)
+
+
 class SFIRadixCache(RadixCache):
     """SGLang's RadixCache whose nodes may hold a NodeMemory."""
 
@@ -216,9 +224,7 @@ class SFIRadixCache(RadixCache):
     # -------------------------------------------------------------- SFI memories
     def publish(self, req) -> Optional[TreeNode]:
         """Put the request's current selection on the node of its path holding hi-1."""
-        from sfi_sglang.backend import ACTIVE
-
-        backend = ACTIVE[0] if ACTIVE else None
+        backend = sfi_backend(self.req_to_token_pool)
         slot = getattr(req.kv, "req_pool_idx", None)
         owner = backend.requests.get(slot) if backend is not None and slot is not None else None
         if owner is None or owner.rid != req.rid:

@@ -241,9 +241,9 @@ _TOPK = []
 def _topk_kernel():
     if not _TOPK:
         try:
-            from sfi_sglang.memory import load_kernels
+            from sfi_sglang import kernels
 
-            _TOPK.append(getattr(load_kernels(), "topk_positions", None))
+            _TOPK.append(kernels.topk_positions)
         except Exception:  # pragma: no cover - no triton
             _TOPK.append(None)
     return _TOPK[0]
@@ -253,7 +253,11 @@ def _top_k_from_key_torch(key: torch.Tensor, k: int) -> torch.Tensor:
     """torch.topk + sort version of _top_k_from_key (CPU path, and the reference)."""
     n = key.shape[-1]
     kk = min(k, n)
-    val, idx = key.topk(kk, dim=-1) if kk > 0 else (key[..., :0], key[..., :0].long())
+    # a stable descending sort: ties at the k-th value go to the lowest positions (the
+    # Triton top-k's and torch.topk-on-CUDA's rule; torch.topk on the CPU breaks them
+    # by the tensor's length), so the selection does not depend on the padded length
+    val, idx = torch.sort(key, dim=-1, descending=True, stable=True)
+    val, idx = val[..., :kk], idx[..., :kk]
     big = torch.iinfo(torch.int64).max
     idx = torch.where(val > NEG_INF, idx, torch.full_like(idx, big))
     idx = idx.sort(-1).values
@@ -294,9 +298,9 @@ def _fused_available() -> bool:
     global _FUSED_OK
     if _FUSED_OK is None:
         try:
-            from sfi_sglang.memory import load_kernels
+            from sfi_sglang import kernels
 
-            _FUSED_OK = getattr(load_kernels(), "fused_topk_key", None) is not None
+            _FUSED_OK = kernels.fused_topk_key is not None
         except Exception:  # pragma: no cover - no triton
             _FUSED_OK = False
     return _FUSED_OK
@@ -307,7 +311,7 @@ def select_key_fused(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Te
     """Steps 1-6 (6 in torch) + the top-k key of top_k_positions, fused in Triton (kernels/selector.py):
     [B, H, N] float32, s'' on the candidates (float32 lowest where s'' is -inf), -inf off
     them. Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1. No host sync."""
-    from sfi_sglang.memory import load_kernels
+    from sfi_sglang import kernels
 
     b = logits.shape[0]
     if torch.is_tensor(n_rows):
@@ -317,7 +321,7 @@ def select_key_fused(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Te
     else:
         lam_max = torch.full((b,), cfg.lambda_max_single if int(n_rows) == 1 else cfg.lambda_max_multi,
                              dtype=torch.float32, device=logits.device)
-    key = load_kernels().fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg,
+    key = kernels.fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg,
                                         norm_tokens=norm_tokens)
     if cfg.pool_radius <= 0:
         return key

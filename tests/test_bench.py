@@ -57,6 +57,7 @@ from sfi_sglang.memory import SparseMemory
 torch.manual_seed(0)
 cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=(0,), refresh="interval",
                 max_interval=3, min_gap=1)
+kinds = lambda rows: {"slow" if s else "fast" for s in rows.slow.tolist()}
 model = bench.DummyModel(bench.SHAPES["tiny"], torch.float32, "cpu")
 s = model.s
 setups = [bench.Setup(model, cfg, n, 3, 8, "cpu", torch.float32) for n in (70, 70)]
@@ -73,7 +74,7 @@ for step in range(6):
     outs = []
     for st in setups:
         st.sfi.init_forward_metadata(st.fb)
-        kinds_seen |= set(st.sfi.plan.kinds)
+        kinds_seen |= kinds(st.sfi.step.rows)
         g = torch.Generator().manual_seed(100 + step)
         per_layer = []
         for L in model.layers:
@@ -82,9 +83,9 @@ for step in range(6):
             v = torch.randn(3, s.kv_heads, s.head_dim, generator=g)
             per_layer.append(st.sfi.forward_decode(q, k, v, L.attn, st.fb))
         outs.append(torch.stack(per_layer))
-    assert ref.sfi.plan.kinds == ker.sfi.plan.kinds
+    assert torch.equal(ref.sfi.step.rows.slow, ker.sfi.step.rows.slow)
     err = ((outs[0] - outs[1]).norm() / outs[0].norm()).item()
-    assert err < 1e-5, (step, ref.sfi.plan.kinds, err)
+    assert err < 1e-5, (step, ref.sfi.step.rows.slow, err)
     for lid in ker.sfi.memory.sparse_layer_ids:
         for slot in ker.fb.req_pool_indices.tolist():
             assert torch.equal(ref.sfi.memory.selected(lid, slot), ker.sfi.memory.selected(lid, slot))
@@ -155,18 +156,20 @@ def test_real_sglang_throughput_driver(tmp_path):
     section 7) on SGLang's CPU engine: a dummy-weight Qwen3 config, token-id prompts, the
     `sfi` backend with a forced slow step every 4 tokens, counted in meta_info."""
     steps, every = 8, 4
-    r = subprocess.run([sys.executable, "bench/sglang_h200.py", "--engine", "sfi", "--shape", "tiny",
+    r = subprocess.run([sys.executable, "bench/sglang_h200.py", "--engines", "sfi", "--shape", "tiny",
                         "--configs", "256x2", "--steps", str(steps), "--slow-every", str(every),
                         "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=900, cwd=str(_REPO))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    res = json.loads((tmp_path / "sglang_sfi.json").read_text())
-    assert res["launch"]["load_format"] == "dummy" and res["launch"]["sfi_refresh"] == "interval"
+    res = json.loads((tmp_path / "sglang_h200.json").read_text())
+    (run,) = res["runs"]
+    assert run["engine"] == "sfi" and run["context_length"] == 512 and "error" not in run, run
+    assert run["launch"]["load_format"] == "dummy" and run["launch"]["sfi_refresh"] == "interval"
     assert [(row["context"], row["batch"]) for row in res["rows"]] == [(256, 1), (256, 2)]
     for row in res["rows"]:
-        b = row["batch"]
-        assert row["slow_steps"] + row["fast_steps"] == b * steps, row
-        assert b * (steps // every - 1) <= row["slow_steps"] <= b * (steps // every + 1), row
+        b, d = row["batch"], row["detail"]["sfi"]
+        assert d["slow_steps"] + d["fast_steps"] == b * steps, row
+        assert b * (steps // every - 1) <= d["slow_steps"] <= b * (steps // every + 1), row
 
 
 _WARM_UP = r"""
@@ -198,13 +201,13 @@ for n in (70, 600):  # score buffers capped at req_to_token's width, and not
                                  m.head_dim, cfg, "cpu", torch.float32, packed=True)
     with recorded_variants() as warm:
         st.sfi.warm_up(s.heads)
-    assert int(st.sfi.memory.sel_count[0]) == 0 and not st.sfi.requests, "slot 0 not reset"
+    assert not st.sfi.memory.sel_count[1:3].any() and not st.sfi.requests, "warm-up slots not reset"
     with recorded_variants() as keys:
         st.reset(torch.tensor([5, 7, 11]))
         kinds = set()
         for step in range(6):
             st.sfi.init_forward_metadata(st.fb)
-            kinds |= set(st.sfi.plan.kinds)
+            kinds |= {"slow" if x else "fast" for x in st.sfi.step.rows.slow.tolist()}
             g = torch.Generator().manual_seed(step)
             for L in model.layers[1:]:  # layer 0 is dense: the harness's own dense backend
                 q = torch.randn(3, s.heads * s.head_dim, generator=g)

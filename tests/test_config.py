@@ -110,3 +110,31 @@ def test_from_dict_rejects_unknown_keys():
         SFIConfig().replace(bugdet=3)
     with pytest.raises(SFIConfigError):
         SFIConfig.from_dict([("budget", 3)])
+
+
+@pytest.mark.parametrize("opts, ok", [
+    ({"min_gap": 4, "max_interval": 8, "cooldown": 1, "refresh": "interval"}, True),
+    ({"dense_layers": [0, 1, 7]}, True),      # a superset of the server's: per-slot mask
+    ({"enabled": False}, True),
+    ({"dense_layers": [0]}, False),           # drops a server dense layer
+    ({"budget": 128}, False),                 # the score/top-k buffers are the server's
+    ({"window": 32}, False),
+    ({"method": "quest"}, False),
+    ({"alpha": 1.0}, False),
+])
+def test_graph_servers_take_only_device_path_options(monkeypatch, opts, ok):
+    """With CUDA graphs (EAGER_ENV "0"), per-request options outside the device step are
+    refused with a message that says what to do; eager servers take them all."""
+    from sfi_sglang.config import SFIConfigError
+    from sfi_sglang.requests import EAGER_ENV, request_config
+
+    server = SFIConfig()
+    params = {"sfi": opts}
+    monkeypatch.setenv(EAGER_ENV, "1")
+    request_config(server, params)
+    monkeypatch.setenv(EAGER_ENV, "0")
+    if ok:
+        request_config(server, params)
+    else:
+        with pytest.raises(SFIConfigError, match="--disable-cuda-graph"):
+            request_config(server, params)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import sfi_sglang
+from sfi_sglang.backend import SYNC_GUARD_ENV, no_host_reads
 from sfi_sglang.boundary import TriggerPolicy
 from sfi_sglang.config import SFIConfig
 from sfi_sglang.texts import long_text
@@ -64,11 +65,13 @@ def trace_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(dense, trace_file):
-    os.environ["SFI_SGLANG_PLUGIN_TRACE"] = str(trace_file)
+    # every device-path decode layer of this engine runs under no_host_reads: a host read
+    # there crashes the scheduler, and the tests below fail
+    os.environ.update({"SFI_SGLANG_PLUGIN_TRACE": str(trace_file), SYNC_GUARD_ENV: "1"})
     try:
         engine = sfi_sglang.Engine(**SFI)
     finally:
-        del os.environ["SFI_SGLANG_PLUGIN_TRACE"]
+        del os.environ["SFI_SGLANG_PLUGIN_TRACE"], os.environ[SYNC_GUARD_ENV]
     yield engine
     engine.shutdown()
 
@@ -121,6 +124,47 @@ def test_long_prompt_mostly_fast_and_slow_steps_where_policy_says(engine, dense,
     agree = sum(a == b for a, b in zip(ids, ref)) / max(len(ref), 1)
     print(f"\n[sfi] 4K prompt, K=256 W=64: {sfi['fast_steps']}/{steps} fast steps; "
           f"greedy tokens equal to dense for the first {same}, position-wise agreement {agree:.1%}")
+
+
+def test_host_read_guard_refuses_item_tolist_cpu():
+    t = torch.arange(3)
+    for read in (lambda: t.item(), lambda: t.tolist(), lambda: t.cpu()):
+        with no_host_reads(), pytest.raises(RuntimeError, match="read a tensor to the host"):
+            read()
+    assert t.tolist() == [0, 1, 2]  # restored
+
+
+def test_mixed_batch_rows_equal_their_alone_runs(engine, prompts):
+    """One batch mixing an SFI row past its memory (fast and slow steps), an SFI-off row
+    (dense), a row with its own dense layers and a row that fits S+W+K: each row's tokens
+    and slow steps are what it gets alone (the step plan decides per row, on the device)."""
+    long_more = chat_prompt_like(prompts["long"])
+    reqs = [
+        (prompts["long"], {}),
+        (prompts["fit"][1], {"custom_params": {"sfi": {"enabled": False}}}),
+        (long_more, {"custom_params": {"sfi": {"dense_layers": [0, 1, 5, 9]}}}),
+        (prompts["fit"][2], {}),
+    ]
+    params = [{**GREEDY, "max_new_tokens": 40, **extra} for _, extra in reqs]
+
+    def fresh(fn):  # no radix reuse: each run computes its own bootstrap selections
+        assert engine.flush_cache().success
+        return fn()
+
+    batch = fresh(lambda: engine.generate([p for p, _ in reqs], params))
+    alone = [fresh(lambda: engine.generate(p, sp)) for (p, _), sp in zip(reqs, params)]
+    for i, (b, a) in enumerate(zip(batch, alone)):
+        assert b["output_ids"] == a["output_ids"], i
+        assert b["meta_info"]["sfi"]["slow_at"] == a["meta_info"]["sfi"]["slow_at"], i
+    sfi = [o["meta_info"]["sfi"] for o in batch]
+    assert sfi[0]["slow_steps"] >= 1 and sfi[0]["fast_steps"] > sfi[0]["slow_steps"]
+    assert not sfi[1]["enabled"] and sfi[1]["fast_steps"] == 0
+    assert sfi[2]["slow_steps"] >= 1 and sfi[3]["fast_steps"] > 0
+
+
+def chat_prompt_like(prompt: str) -> str:
+    """Another long prompt: the same essay with a different question."""
+    return prompt.replace("What is this essay about?", "Which examples does this essay give?")
 
 
 def test_per_request_disable_gives_dense_output(engine, dense, prompts):

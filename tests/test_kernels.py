@@ -56,26 +56,7 @@ if not _IN_PROCESS:
         assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
 
 
-def _load_kernels():
-    try:
-        from sfi_sglang import kernels  # noqa: F401  (package-dir mapping, once installed)
-
-        return kernels
-    except Exception:
-        pass
-    name = "_sfi_kernels_under_test"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(
-        name, _REPO / "kernels" / "__init__.py",
-        submodule_search_locations=[str(_REPO / "kernels")])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-K = _load_kernels()
+from sfi_sglang import kernels as K  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 

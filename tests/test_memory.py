@@ -21,11 +21,11 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from sfi_sglang.config import SFIConfig  # noqa: E402
-from sfi_sglang.memory import SparseMemory, _reference  # noqa: E402
+from sfi_sglang.kernels import reference as REF  # noqa: E402
+from sfi_sglang.memory import SparseMemory  # noqa: E402
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-REF = _reference()
 
 
 def _interpreter_usable():
@@ -295,8 +295,9 @@ def test_export_import_and_step_counters():
     mem.import_(dst, positions, count, hi, lambda lid: (st["k"], st["v"]), st["rtt"], [1, 2])
     for lid in (1, 2):
         assert torch.equal(mem.fast_positions(lid, dst, 75), mem.fast_positions(lid, src, 75))
-    mem.count_steps(torch.tensor([src, dst]), torch.tensor([dst]))
-    mem.count_steps(torch.tensor([src]), torch.tensor([], dtype=torch.int64))
+    slots = torch.tensor([src, dst])
+    mem.count_steps(slots, torch.tensor([True, True]), torch.tensor([False, True]))
+    mem.count_steps(slots, torch.tensor([True, False]), torch.tensor([False, False]))
     assert mem.counts[src].tolist() == [2, 0] and mem.counts[dst].tolist() == [1, 1]
     mem.reset([src])
     assert mem.counts[src].tolist() == [0, 0] and int(mem.sel_count[src]) == 0

@@ -1,0 +1,145 @@
+"""Issue #14 item 4 on the GPU: the `sfi` backend's decode step under CUDA graphs (the GPU
+harness of sfi_sglang/bench.py: the product's backend over SGLang-layout pools).
+
+Checks, each printed as one JSON line and collected in OUT/graph_check_h200.json:
+  1. tokens equal with graphs on and off: the same requests decoded eagerly and through
+     one CUDA graph of the whole step (StepPlan in the graph, the slow pass in a
+     conditional node), over a batch mixing fast, slow, dense-layer and SFI-off rows;
+  2. no host sync inside a replayed step: torch.cuda.set_sync_debug_mode("error") around
+     the host part (_out_graph) and the replay of 16 steps;
+  3. the conditional node exists in this torch (CUDAGraph.begin_capture_to_if_node).
+Run from the repo root with sfi_sglang importable (bench/throughput_h200.sh lays it out):
+  python bench/graph_check_h200.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+
+def _has(mod: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen3-4b")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--slow-every", type=int, default=8)
+    p.add_argument("--out", default="bench/results")
+    args = p.parse_args(argv)
+
+    from sfi_sglang import bench
+    from sfi_sglang.backend import ACTIVE
+    from sfi_sglang.config import SFIConfig
+    from sfi_sglang.requests import Request
+    from sfi_sglang.step import _HAS_IF_NODE, run_if
+
+    dev, dtype = "cuda", torch.bfloat16
+    from sfi_sglang import graph_if
+
+    res_if = {"graph_if_available": graph_if.available(), "graph_if_error": graph_if.error()}
+    if res_if["graph_if_available"]:  # a toy IF node: the body runs only where pred holds
+        x = torch.zeros(4, device=dev)
+        pred = torch.zeros((), dtype=torch.bool, device=dev)
+        y = torch.ones(4, device=dev)
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            x.add_(y)  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            x.add_(1.0)
+            run_if(pred, lambda: x.add_(y * 10))
+        x.zero_()
+        got = []
+        for p_ in (False, True, False):
+            pred.fill_(p_)
+            g.replay()
+            torch.cuda.synchronize()
+            got.append(float(x[0]))
+        res_if["toy_if_node"] = got  # expect [1, 12, 13]
+    print(json.dumps(res_if), flush=True)
+    res = {**res_if, "torch": torch.__version__, "if_node": _HAS_IF_NODE,
+           "raw_cuda_graph": hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph"),
+           "cuda_bindings": _has("cuda.bindings.runtime"), "cupy": _has("cupy")}
+    print(json.dumps(res), flush=True)
+    cfg = SFIConfig(budget=512, window=128, refresh="interval", max_interval=args.slow_every,
+                    min_gap=min(16, args.slow_every))
+    model = bench.DummyModel(bench.SHAPES[args.shape], dtype, dev)
+    B = args.batch
+    st = bench.Setup(model, cfg, args.context, B, args.steps, dev, dtype)
+    be = st.sfi
+    first = torch.randint(100, 1000, (B,), device=dev)
+    slots = st.fb.req_pool_indices.tolist()
+
+    reset = st.reset
+
+    def mixed_reset(ids):
+        """Row 1: SFI off (a dense row); row 2: layer 5 dense too (its own dense layers)."""
+        reset(ids)
+        if B > 1:
+            be._start_slot(slots[1], Request(cfg, False, rid=st.fb.rids[1]))
+        if B > 2:
+            be.step.dense[slots[2], 5] = True
+
+    st.reset = mixed_reset
+
+    def run(graphs: bool):
+        runner = bench.Runner(st, graphs)
+        ids, secs, slow = runner.run_sfi(first, args.steps)
+        return ids, secs, slow, runner
+
+    eager_ids, _, eager_slow, _ = run(False)
+    graph_ids, secs, graph_slow, runner = run(True)
+    counts = be.memory.counts[st.fb.req_pool_indices].tolist()
+    same = torch.equal(eager_ids, graph_ids)
+    first_diff = None
+    if not same:
+        d = (eager_ids != graph_ids).nonzero()
+        first_diff = d[0].tolist()
+    res.update(tokens_equal=same, first_diff=first_diff, steps=args.steps, batch=B,
+               slow_steps_eager=eager_slow, slow_steps_graph=graph_slow, counts=counts,
+               graph_ms_per_step=round(1e3 * secs / args.steps, 3))
+    print(json.dumps(res), flush=True)
+
+    # 2. no host sync in the host part + replay of a step
+    graph, out_ids = runner._sfi_graph
+    st.reset(first)  # back at the prompt's end: 16 more steps fit the pools
+    torch.cuda.synchronize()
+    sync_ok, err = True, None
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(16):
+            be._out_graph(st.fb)
+            graph.replay()
+            st.advance(out_ids)
+    except RuntimeError as e:  # a synchronizing call raises in "error" mode
+        sync_ok, err = False, str(e)[:500]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    res.update(no_sync_in_replayed_steps=sync_ok, sync_error=err)
+    print(json.dumps(res), flush=True)
+    ACTIVE.clear()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "graph_check_h200.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return 0 if same and sync_ok and (_HAS_IF_NODE or res_if["graph_if_available"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

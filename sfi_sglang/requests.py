@@ -1,0 +1,117 @@
+"""Per-request SFI options: custom_params["sfi"] parsed and checked against the server's
+config, and the host-side record of the request in a slot (what meta_info reports)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import os
+
+from sfi_sglang.config import SFIConfig, SFIConfigError
+
+# Set (to "1") by sfi_sglang.engine when the server runs its decode steps eagerly (no CUDA
+# graphs): only then may a request use options that the device-side step cannot serve.
+EAGER_ENV = "SFI_SGLANG_EAGER_DECODE"
+# Per-request options the device-side decode step serves (per-slot tensors: the trigger
+# policy's counters, the SFI switch, dense layers beyond the server's).
+DEVICE_OPTIONS = frozenset({"min_gap", "cooldown", "max_interval", "refresh", "dense_layers"})
+
+# custom_params key of a request's extra boundary token ids (set by sfi_sglang.router)
+EXTRA_IDS_KEY = "sfi_extra_boundary_ids"
+
+
+def request_options(custom_params) -> tuple[bool, dict]:
+    """(enabled, config overrides) from a request's custom_params["sfi"]; raises
+    SFIConfigError on a bad value. `enabled` defaults to True."""
+    opts = (custom_params or {}).get("sfi") if isinstance(custom_params, dict) else None
+    if opts is None:
+        return True, {}
+    if not isinstance(opts, dict):
+        raise SFIConfigError(f'custom_params["sfi"] must be an object, got {type(opts).__name__}')
+    opts = dict(opts)
+    enabled = opts.pop("enabled", True)
+    if not isinstance(enabled, bool):
+        raise SFIConfigError(f'custom_params["sfi"]["enabled"] must be true or false, got {enabled!r}')
+    # extra boundaries of this request (a spec, resolved to token ids on the tokenizer
+    # side by sfi_sglang.router into custom_params[EXTRA_IDS_KEY]); not a config field
+    extra = opts.pop("extra_boundaries", None)
+    if extra is not None:
+        from sfi_sglang.boundary import parse_boundary_spec
+
+        try:
+            parse_boundary_spec(extra)
+        except ValueError as err:
+            raise SFIConfigError(f'custom_params["sfi"]["extra_boundaries"]: {err}') from None
+    return enabled, opts
+
+
+def request_config(server: SFIConfig, custom_params) -> tuple[bool, SFIConfig]:
+    """Validated per-request config on top of the server's; the budget may only shrink
+    (the server sizes its buffers for its own budget)."""
+    enabled, overrides = request_options(custom_params)
+    cfg = SFIConfig.from_dict(overrides, base=server) if overrides else server
+    if cfg.budget > server.budget:
+        raise SFIConfigError(
+            f'custom_params["sfi"]["budget"] ({cfg.budget}) exceeds the server\'s '
+            f"--sfi-budget ({server.budget})")
+    if cfg.sinks != server.sinks:
+        raise SFIConfigError(f'custom_params["sfi"]["sinks"] ({cfg.sinks}) cannot differ from the '
+                             f"server's --sfi-sinks ({server.sinks})")
+    for name in ("boundaries", "fast_path"):  # server-wide: one table, one kernel
+        if overrides.get(name, getattr(server, name)) != getattr(server, name):
+            raise SFIConfigError(f'custom_params["sfi"]["{name}"] cannot differ from the server\'s '
+                                 f"--sfi-{name.replace('_', '-')}")
+    if not on_device_path(cfg, server) and os.environ.get(EAGER_ENV) != "1":
+        other = sorted(k for k in overrides if k not in DEVICE_OPTIONS)
+        what = (f"option(s) {', '.join(other)}" if other
+                else "dense_layers without the server's --sfi-dense-layers")
+        raise SFIConfigError(
+            f'custom_params["sfi"]: {what} need a server launched with --disable-cuda-graph '
+            f"(SFI's CUDA-graph decode step serves per request only {', '.join(sorted(DEVICE_OPTIONS))}, "
+            "dense_layers as a superset of the server's, and enabled)")
+    return enabled, cfg
+
+
+def on_device_path(cfg: SFIConfig, server: SFIConfig) -> bool:
+    """Whether the device-side decode step (sfi_sglang.step, the server's Selector, budget
+    and window) serves a request with this config; otherwise it runs on the host path,
+    eagerly only."""
+    same = all(getattr(cfg, f) == getattr(server, f) for f in SFIConfig.__dataclass_fields__
+               if f not in DEVICE_OPTIONS)
+    return same and set(server.dense_layers) <= set(cfg.dense_layers)
+
+
+@dataclass
+class Request:
+    """Host-side record of the request in a slot: its options and what the output reports.
+    Its sparse memory (selections, step counters) is in SFIAttnBackend.memory and its
+    decode-step state in SFIAttnBackend.step (sfi_sglang.step), indexed by the same slot."""
+
+    cfg: SFIConfig
+    enabled: bool
+    rid: Optional[str] = None
+    host: bool = False  # runs on the host path (eager only): sfi_sglang.requests.on_device_path
+    bootstrap: bool = False
+    has_selection: bool = False  # host path: the memory holds a selection
+    # bootstrap selections computed here vs imported from a shared prefix (sfi_sglang.radix)
+    bootstrap_computed: int = 0
+    bootstrap_reused: int = 0
+
+    @property
+    def refreshes(self) -> bool:
+        """Whether this request's method keeps a selection (made at prefill end / slow steps)."""
+        return self.cfg.method in ("sfi", "snapkv")
+
+    @property
+    def baseline(self) -> bool:
+        """Methods whose fast steps choose positions per step on the host (eval baselines)."""
+        return self.cfg.method in ("streaming", "quest")
+
+    def stats(self, fast_steps: int, slow_steps: int, slow_at: list) -> dict:
+        return {"enabled": self.enabled, "fast_steps": fast_steps,
+                "slow_steps": slow_steps, "bootstrap": self.bootstrap,
+                "bootstrap_computed": self.bootstrap_computed,
+                "bootstrap_reused": self.bootstrap_reused,
+                "slow_at": list(slow_at),
+                "budget": self.cfg.budget, "window": self.cfg.window, "sinks": self.cfg.sinks}

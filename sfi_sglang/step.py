@@ -1,0 +1,130 @@
+"""The device-side decode step plan: which rows of a decode batch are fast, slow or dense,
+decided on the device from the tokens just sampled, with no host sync.
+
+Per request slot (SGLang's ReqToTokenPool index) it keeps device tensors:
+    sfi       [slots]      SFI runs on the device path for the slot's request
+    has_sel   [slots]      the slot's memory holds a selection (bootstrap, import, slow step)
+    dense     [slots, L]   layers that are dense for the slot's request (its dense_layers)
+    steps     [slots]      decode steps so far
+    slow_log  [slots, LOG] the decode steps (1-based) that were slow, -1 past slow_n
+    slow_n    [slots]      slow steps so far (the log keeps the first LOG of them)
+The trigger policy (sfi_sglang.boundary.TriggerPolicy) keeps the boundary table (a tensor
+indexed by token id) and the per-slot counters.
+
+`begin(input_ids, slots)` runs once per decode forward, before the first layer: in
+SGLang's init_forward_metadata_in_graph, so a CUDA graph of the step records it and every
+replay decides afresh. It leaves per-row tensors for the layers:
+    slow      [B]     the row runs a slow step (dense attention + Selector)
+    dense     [B, L]  the row is dense at layer l (SFI off for it, or one of its dense layers)
+    need      [L]     some row of the batch needs the dense pass at layer l (a slow or a
+                      dense row): the predicate of that layer's conditional graph node
+Host bookkeeping (slow_at, step counts for meta_info) is read back by `read` when a
+request reports, not per step.
+
+Slot 0 is SGLang's padding slot (never given to a request; CUDA-graph padding rows point
+at it): it is never slow and never dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SLOW_LOG = 1024  # slow steps whose decode step meta_info lists per request
+
+
+@dataclass
+class Rows:
+    on: torch.Tensor  # [B] bool: SFI runs on the device path for the row
+    slow: torch.Tensor  # [B] bool
+    dense: torch.Tensor  # [B, L] bool
+    need: torch.Tensor  # [L] bool
+
+
+class StepPlan:
+    def __init__(self, policy, max_slots: int, num_layers: int, device):
+        self.policy = policy
+        dev = torch.device(device)
+        self.sfi = torch.zeros(max_slots, dtype=torch.bool, device=dev)
+        self.has_sel = torch.zeros(max_slots, dtype=torch.bool, device=dev)
+        self.dense = torch.zeros(max_slots, num_layers, dtype=torch.bool, device=dev)
+        self.steps = torch.zeros(max_slots, dtype=torch.int32, device=dev)
+        self.slow_log = torch.full((max_slots, SLOW_LOG), -1, dtype=torch.int32, device=dev)
+        self.slow_n = torch.zeros(max_slots, dtype=torch.int32, device=dev)
+        self.sfi[0] = True  # the padding slot: a fast row over an empty memory
+        self.has_sel[0] = True
+        self.rows: Rows | None = None
+
+    # ------------------------------------------------------------------ host side
+    def start(self, slot: int, sfi: bool, dense_layers, has_sel: bool = False) -> None:
+        """A request starts in `slot` (host, at its first extend)."""
+        self.sfi[slot] = bool(sfi)
+        self.has_sel[slot] = bool(has_sel)
+        row = torch.zeros(self.dense.shape[1], dtype=torch.bool)
+        for lid in dense_layers:
+            if 0 <= lid < row.numel():
+                row[lid] = True
+        self.dense[slot] = row.to(self.dense.device)
+        self.steps[slot] = 0
+        self.slow_n[slot] = 0
+        self.slow_log[slot] = -1
+
+    def read(self, slot: int) -> tuple[int, list[int]]:
+        """(decode steps, slow decode steps) of the slot's request (host sync: at report time)."""
+        steps, n = int(self.steps[slot]), int(self.slow_n[slot])
+        return steps, self.slow_log[slot, :min(n, SLOW_LOG)].tolist()
+
+    # ------------------------------------------------------------------ device side
+    def begin(self, input_ids: torch.Tensor, slots: torch.Tensor, force_dense=None) -> Rows:
+        """Decide this step's rows from the input tokens (the tokens just sampled). No host
+        sync, static shapes: CUDA-graph capturable. force_dense [B] bool, optional: rows
+        the caller runs outside the device path (eager-only methods)."""
+        slots = slots.to(torch.int64)
+        on = self.sfi[slots]
+        if force_dense is not None:
+            on = on & ~force_dense
+        slow = self.policy.step(input_ids, slots, force=on & ~self.has_sel[slots])
+        slow = slow & on & (slots != 0)
+        steps = self.steps[slots] + 1
+        self.steps[slots] = steps
+        n = self.slow_n[slots]
+        at = n.clamp(max=SLOW_LOG - 1).to(torch.int64)
+        old = self.slow_log[slots, at]
+        self.slow_log[slots, at] = torch.where(slow & (n < SLOW_LOG), steps, old)
+        self.slow_n[slots] = n + slow.to(torch.int32)
+        self.has_sel[slots] = self.has_sel[slots] | slow
+        dense = self.dense[slots] | ~on[:, None]
+        self.rows = Rows(on=on, slow=slow, dense=dense, need=(dense | slow[:, None]).any(0))
+        return self.rows
+
+
+def run_if(pred: torch.Tensor, body) -> None:
+    """body() where pred (a device bool scalar) holds. Inside a CUDA graph capture: a
+    conditional graph node, so a replay skips the body's kernels when pred is false
+    (torch's own node where it has one, else sfi_sglang.graph_if's); elsewhere body()
+    always runs (its work is masked per row, so the result is the same) and nothing is
+    read back to the host; on the CPU, whose tensors are host memory, pred decides."""
+    if not pred.is_cuda:
+        if bool(pred):
+            body()
+        return
+    if torch.cuda.is_current_stream_capturing():
+        if _HAS_IF_NODE:
+            graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+            graph.begin_capture_to_if_node(pred)
+            try:
+                body()
+            finally:
+                graph.end_capture_to_conditional_node()
+            return
+        from sfi_sglang import graph_if
+
+        if graph_if.available():
+            graph_if.capture_if(pred, body)
+            return
+    body()
+
+
+_HAS_IF_NODE = hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node") and hasattr(
+    torch.cuda.CUDAGraph, "get_currently_capturing_graph")
