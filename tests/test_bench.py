@@ -236,3 +236,43 @@ def test_warm_up_compiles_what_decode_steps_launch():
     r = subprocess.run([sys.executable, "-c", _WARM_UP], capture_output=True, text=True,
                        timeout=900, cwd=str(_REPO), env=env)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_skipped_and_always_run_slow_pass_decode_the_same(monkeypatch):
+    """What a decode CUDA graph does (its IF node skips a layer's slow pass when no row is
+    slow or dense there) against what an eager CUDA step does (the slow pass always runs,
+    masked per row): the same tokens, slow steps and selections, over steps with and
+    without slow rows and a row with an extra dense layer (CPU reference path; an SFI-off
+    row would make every layer run the pass: bench/graph_check_h200.py has one on the GPU)."""
+    import torch
+
+    from sfi_sglang import backend, bench
+    from sfi_sglang.backend import ACTIVE
+    from sfi_sglang.config import SFIConfig
+
+    cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=(0,), refresh="interval",
+                    max_interval=3, min_gap=1)
+    model = bench.DummyModel(bench.SHAPES["tiny"], torch.float32, "cpu")
+    first = torch.tensor([5, 7, 11])
+    runs = []
+    for always in (False, True):
+        if always:
+            monkeypatch.setattr(backend, "run_if", lambda pred, body: body())
+        st = bench.Setup(model, cfg, 70, 3, 12, "cpu", torch.float32)
+        be, reset = st.sfi, st.reset
+        slots = st.fb.req_pool_indices.tolist()
+
+        def mixed(ids, reset=reset, be=be, st=st, slots=slots):
+            reset(ids)
+            be.step.dense[slots[1], 2] = True  # its own dense layer 2
+
+        st.reset = mixed
+        try:
+            ids, _, slow = bench.Runner(st, False).run_sfi(first, 10)
+            runs.append((ids, slow, be.memory.sel_pos.clone(), be.memory.counts.clone()))
+        finally:
+            ACTIVE.remove(be)
+    (ids0, slow0, sel0, counts0), (ids1, slow1, sel1, counts1) = runs
+    assert slow0 >= 2 and torch.equal(ids0, ids1) and slow0 == slow1
+    assert torch.equal(sel0, sel1) and torch.equal(counts0, counts1)
+    assert counts0[slots[0], 0] > 0  # fast steps happened, where the pass was skipped
