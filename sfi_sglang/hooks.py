@@ -110,8 +110,8 @@ def _verify_sfi_params(result, self, *args, **kwargs):
     """Per-request options custom_params["sfi"] are checked where SGLang checks all
     sampling params, so a bad one becomes HTTP 400 (ValueError) before it is queued.
     SamplingParams.verify has no extension point for custom_params."""
-    from sfi_sglang.backend import request_config
     from sfi_sglang.config import server_config
+    from sfi_sglang.requests import request_config
 
     request_config(server_config(), self.custom_params)
     _resolve_extra_boundaries(self.custom_params)
@@ -122,14 +122,17 @@ def _resolve_extra_boundaries(custom_params):
     """custom_params["sfi"]["extra_boundaries"] (a boundary spec) -> token ids in
     custom_params[EXTRA_IDS_KEY], on the tokenizer side (which owns the vocabulary
     texts), so the scheduler only looks ids up."""
-    from sfi_sglang.backend import EXTRA_IDS_KEY
     from sfi_sglang.config import SFIConfigError
+    from sfi_sglang.requests import EXTRA_IDS_KEY
     from sfi_sglang.router import tokenizer_side
 
     if not isinstance(custom_params, dict):
         return
     opts = custom_params.get(META_KEY)
     spec = opts.get("extra_boundaries") if isinstance(opts, dict) else None
+    if spec is None and EXTRA_IDS_KEY in custom_params:  # only this function sets it
+        raise SFIConfigError(f"custom_params[{EXTRA_IDS_KEY!r}] is internal: use "
+                             'custom_params["sfi"]["extra_boundaries"] (a boundary spec)')
     if spec is not None:
         try:
             custom_params[EXTRA_IDS_KEY] = tokenizer_side.extra_boundary_ids(spec)
@@ -183,7 +186,7 @@ def _record_request_options(self, recv_req, *args, **kwargs):
     from sfi_sglang.backend import REQUEST_PARAMS
 
     params = getattr(recv_req.sampling_params, "custom_params", None)
-    if params:
+    if params and isinstance(params, dict):  # SGLang lets custom_params be any JSON value
         REQUEST_PARAMS[recv_req.rid] = params
 
 

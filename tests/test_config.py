@@ -138,3 +138,16 @@ def test_graph_servers_take_only_device_path_options(monkeypatch, opts, ok):
     else:
         with pytest.raises(SFIConfigError, match="--disable-cuda-graph"):
             request_config(server, params)
+
+
+def test_clients_cannot_set_the_internal_boundary_ids_key():
+    """custom_params["sfi_extra_boundary_ids"] is what the tokenizer side resolves a
+    request's extra_boundaries spec into; a client that sets it gets a 400 (SFIConfigError),
+    and custom_params that are not an object stay SGLang's business."""
+    from sfi_sglang.hooks import _resolve_extra_boundaries
+    from sfi_sglang.requests import EXTRA_IDS_KEY
+
+    with pytest.raises(SFIConfigError, match="internal"):
+        _resolve_extra_boundaries({EXTRA_IDS_KEY: [10**12, -5]})
+    _resolve_extra_boundaries([1, 2])
+    _resolve_extra_boundaries({"other": 1})
