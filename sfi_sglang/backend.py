@@ -145,7 +145,8 @@ class SFIAttnBackend(AttentionBackend):
         self.num_q_heads = max(1, mc.num_attention_heads // tp)
         # Slow steps' logits [rows, H_q, N], N = req_to_token's width (the longest context):
         # made once for the CUDA graphs' batch (init_cuda_graph_state), else per batch size.
-        self._scores: Optional[torch.Tensor] = None
+        self._scores: Optional[torch.Tensor] = None  # eager steps
+        self._graph_scores: Optional[torch.Tensor] = None  # captured steps (init_cuda_graph_state)
         self._host_rows: list = []  # this step's rows on the host path (eager only)
         self._extra_rows = None  # this step's rows whose input is a per-request boundary
         self._ref_len: Optional[int] = None  # the torch reference's length this step (CPU)
@@ -354,7 +355,10 @@ class SFIAttnBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
-        self._score_buffer(max_bs)
+        if self.memory.packed and (self._graph_scores is None or self._graph_scores.shape[0] < max_bs):
+            width = self.req_to_token_pool.req_to_token.shape[1]
+            self._graph_scores = torch.empty((max_bs, self.num_q_heads, width), dtype=torch.float32,
+                                             device=self.memory.device)
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
         self.dense.init_forward_metadata_out_graph(forward_batch, in_capture)
@@ -414,16 +418,27 @@ class SFIAttnBackend(AttentionBackend):
 
     def _score_buffer(self, rows: int) -> torch.Tensor:
         """Slow-step logits [rows, H_q, N] float32, N = req_to_token's width (the torch
-        reference: this step's longest context)."""
+        reference: this step's longest context). Captured graphs write into the buffer made
+        for them (init_cuda_graph_state), which is never replaced: a graph holds no reference
+        to the tensors it writes. Eager steps of larger batches get a buffer of their own."""
         if not self.memory.packed:
             return torch.empty((rows, self.num_q_heads, self._ref_len), dtype=torch.float32,
                                device=self.memory.device)
-        width = self.req_to_token_pool.req_to_token.shape[1]
-        buf = self._scores
+        capturing = self.memory.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        key = "_graph_scores" if capturing or self._graph_scores_for(rows) else "_scores"
+        buf = getattr(self, key)
         if buf is None or buf.shape[0] < rows:
-            buf = self._scores = torch.empty((rows, self.num_q_heads, width), dtype=torch.float32,
-                                             device=self.memory.device)
+            if key == "_graph_scores" and buf is not None:
+                raise RuntimeError(f"SFI: a CUDA graph of {rows} rows was captured beyond the "
+                                   f"{buf.shape[0]} rows of init_cuda_graph_state")
+            width = self.req_to_token_pool.req_to_token.shape[1]
+            buf = torch.empty((rows, self.num_q_heads, width), dtype=torch.float32, device=self.memory.device)
+            setattr(self, key, buf)
         return buf[:rows]
+
+    def _graph_scores_for(self, rows: int) -> bool:
+        buf = self._graph_scores
+        return buf is not None and buf.shape[0] >= rows
 
     # ------------------------------------------------------------------ forward
     def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,

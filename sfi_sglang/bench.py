@@ -130,6 +130,9 @@ class DenseBackend:
     def init_forward_metadata(self, forward_batch):
         pass
 
+    def init_cuda_graph_state(self, max_bs, max_num_tokens):
+        pass
+
     def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True):
         if save_kv_cache:
             self.kv.set_kv_buffer(layer, fb.out_cache_loc, k, v)
@@ -342,6 +345,7 @@ class Setup:
                                                               num_attention_heads=s.heads))
         export_config(cfg)
         self.sfi = HarnessSFIBackend(runner, self.dense)
+        self.sfi.init_cuda_graph_state(batch, batch)  # as SGLang's graph runner does
         self.fill(seed=1)
 
     def fill(self, seed: int):
