@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import sfi_sglang
-from sfi_sglang.backend import SYNC_GUARD_ENV, no_host_reads
 from sfi_sglang.boundary import TriggerPolicy
 from sfi_sglang.config import SFIConfig
 from sfi_sglang.texts import long_text
@@ -61,6 +60,11 @@ def dense(prompts):
 @pytest.fixture(scope="module")
 def trace_file(tmp_path_factory):
     return tmp_path_factory.mktemp("trace") / "plugin.txt"
+
+
+# The backend module is imported inside tests only: importing it at collection would import
+# the Triton kernels before test_kernels.py / test_memory.py set TRITON_INTERPRET=1.
+SYNC_GUARD_ENV = "SFI_SGLANG_SYNC_GUARD"  # sfi_sglang.backend.SYNC_GUARD_ENV
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +131,9 @@ def test_long_prompt_mostly_fast_and_slow_steps_where_policy_says(engine, dense,
 
 
 def test_host_read_guard_refuses_item_tolist_cpu():
+    from sfi_sglang.backend import SYNC_GUARD_ENV as env_name, no_host_reads
+
+    assert env_name == SYNC_GUARD_ENV
     t = torch.arange(3)
     for read in (lambda: t.item(), lambda: t.tolist(), lambda: t.cpu()):
         with no_host_reads(), pytest.raises(RuntimeError, match="read a tensor to the host"):
