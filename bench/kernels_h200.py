@@ -31,6 +31,7 @@ if os.environ.get("SFI_BENCH_SMOKE") == "1":  # must precede the first triton im
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 import triton.testing
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -694,6 +695,65 @@ def profile_selector(selector_mod, cfg_mod, out_dir):
         log(f"{t['op']:36s} N={t['N']:>6} B={t['B']} {t.get('ms', float('nan')) * 1e3:8.1f} us")
 
 
+@triton.jit
+def _null_kernel(X):
+    pass
+
+
+@triton.jit
+def _stream_kernel(X, Out, n_per, BLOCK: tl.constexpr):
+    """Each program sums its contiguous share of X (bf16): a pure read of the bytes."""
+    pid = tl.program_id(0)
+    base = X + pid.to(tl.int64) * n_per
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(0, n_per, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        acc += tl.load(base + offs, mask=offs < n_per, other=0.0).to(tl.float32)
+    tl.store(Out + pid, tl.sum(acc, 0))
+
+
+def floor(l2_bytes):
+    """What bounds the fast step at batch 1 (issue 15, item 2): the cost of one launch in a
+    CUDA graph, the best one-launch read of the fast step's bytes (a streaming kernel over
+    the same bytes at several grid sizes), and fast-kernel variants with more parallelism
+    than the tune phase tried (more splits, 32-token tiles), at B=1 and B=8, 32K."""
+    Hkv, G, D, S, W, Kc = (DIMS[k] for k in ("Hkv", "G", "D", "S", "W", "Kc"))
+    Hq, P = Hkv * G, S + Kc
+    x = torch.zeros(1, device=DEV)
+    timed("floor_null_launch", {"grid": Hkv * 16}, [lambda: _null_kernel[(1, Hkv, 16)](x)])
+    for B in (1, 8):
+        fast_bytes = B * Hkv * (P + W) * D * 2 * 2 + B * W * 4 + 2 * B * Hq * D * 2
+        n_sets = max(1, min(32, math.ceil(4 * l2_bytes / fast_bytes)))
+        bufs = [torch.randn(fast_bytes // 2, device=DEV, dtype=torch.bfloat16) for _ in range(n_sets)]
+        for grid in (132, 264, 528, 1056, 2112):
+            n_per = triton.cdiv(bufs[0].numel(), grid)
+            outs = torch.empty(grid, device=DEV)
+            for blk in (1024, 4096):
+                timed(f"floor_stream_g{grid}_b{blk}", {"B": B, "grid": grid, "block": blk}, [
+                    (lambda b=b, n_per=n_per, grid=grid, outs=outs, blk=blk:
+                     _stream_kernel[(grid,)](b, outs, n_per, BLOCK=blk, num_warps=8))
+                    for b in bufs], fast_bytes)
+        del bufs
+        N = 32768 if not SMOKE else 256
+        st = build_state(B, Hkv, G, D, N, torch.bfloat16, n_sets, P, W, seed=B)
+        kv = (st["k_cache"], st["v_cache"], st["req_to_token"])
+        fk = (st["packed_k"], st["packed_v"], st["packed_len"])
+        scale = D ** -0.5
+        cfg = {"N": N, "B": B}
+        variants = [(None, None, None, None)]
+        variants += [(bn, ns, nw, stg) for bn in (32, 64) for ns in ((16, 32, 64) if B == 1 else (4, 8, 16))
+                     for nw in (2, 4) for stg in (2, 3)]
+        for bn, ns, nw, stg in variants:
+            name = "floor_fast_default" if bn is None else f"floor_fast_bn{bn}_s{ns}_w{nw}_st{stg}"
+            timed(name, dict(cfg, block_n=bn, splits=ns, warps=nw, stages=stg), [
+                (lambda s=s_, bn=bn, ns=ns, nw=nw, stg=stg: K.fast_decode(
+                    s["q"], *kv, s["req_pool_indices"], s["seq_lens"], s["win_start"], *fk, scale,
+                    out=s["out"], num_splits=ns, block_n=bn, num_warps=nw, num_stages=stg))
+                for s_ in st["sets"]], fast_bytes)
+        del st
+        torch.cuda.empty_cache()
+
+
 def tune(l2_bytes):
     """Sweeps for choosing kernel defaults: fast kernel (block, splits, warps, stages,
     fused reduce) at B=1 and B=8; dense+scores kernel at 128K B=8."""
@@ -801,7 +861,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--phase", choices=("full", "tune", "profile"), default="full")
+    ap.add_argument("--phase", choices=("full", "tune", "profile", "floor"), default="full")
     ap.add_argument("--sweep", action="store_true", help="full phase: also the old fast/dense sweep at 8K")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -829,6 +889,20 @@ def main():
         log("memory import failed")
     if args.phase == "profile":
         profile_selector(selector_mod, cfg_mod, args.out)
+        return
+    if args.phase == "floor":  # issue 15: what bounds the fast step at batch 1
+        if not SMOKE:
+            hbm_copy()
+        floor(l2)
+        RESULTS["wall_s"] = time.time() - t0
+        with open(os.path.join(args.out, "kernels_h200_floor.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
+        for B in (1, 8):
+            c = sorted((t for t in RESULTS["timings"] if t.get("B") == B and "ms" in t), key=lambda t: t["ms"])
+            for t in c[:6] + [t for t in c if t["op"] == "floor_fast_default"]:
+                log(f"B={B} {t['op']:36s} {t['ms'] * 1e3:7.2f} us {t.get('GBps', 0):6.0f} GB/s")
+        for e in RESULTS["errors"]:
+            log("ERROR:", e[-400:])
         return
     hbm = hbm_copy() if not SMOKE else 1.0
     ok = True

@@ -15,6 +15,7 @@ from .reference import (ref_dense_decode_with_scores, ref_fast_decode, ref_pack,
 # public name -> the submodule that defines it
 _LAZY = {
     "fast_decode": "fast_decode", "store_key_norms": "key_norms", "pack": "pack",
+    "store_selection": "pack",
     "fused_topk_key": "selector", "dense_decode": "slow_decode",
     "dense_decode_with_scores": "slow_decode", "topk_positions": "topk",
 }

@@ -70,3 +70,87 @@ def pack(k_cache, v_cache, req_to_token, req_pool_indices, positions, packed_k, 
         Pp, D=D, BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P, num_warps=num_warps or 4,
     )
     return packed_k, packed_v
+
+
+@triton.jit
+def _store_kernel(
+    K_cache, V_cache, Req_to_token, Slots, Rows, Positions, Cnt, Ws, Seq_lens,
+    Sel_pos, Sel_count, Win_start, N_sinks, Fast_ws, Packed_len, Packed_k, Packed_v,
+    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_rt,
+    stride_pob, stride_poh, stride_spm, stride_sph,
+    stride_pkr, stride_pkh, stride_pkp, stride_pvr, stride_pvh, stride_pvp,
+    KP, S: tl.constexpr, K: tl.constexpr,
+    HAS_ROWS: tl.constexpr, HAS_LENS: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    pb = tl.program_id(2)
+    keep = True
+    if HAS_ROWS:
+        keep = tl.load(Rows + i) != 0
+    if keep:
+        pool = tl.load(Slots + i).to(tl.int64)
+        cnt = tl.load(Cnt + i).to(tl.int32)
+        if HAS_LENS:
+            ns = tl.minimum(tl.load(Seq_lens + i), S).to(tl.int32)
+        else:
+            ns = tl.full([], S, tl.int32)
+        offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)  # packed entry: sinks [0, S), then selected
+        k = offs_p - S
+        in_k = (k >= 0) & (k < K)
+        sel = tl.load(Positions + i * stride_pob + h * stride_poh + k, mask=in_k & (k < KP), other=-1)
+        sel = tl.where(k < cnt, sel, -1).to(tl.int32)
+        tl.store(Sel_pos + pool * stride_spm + h * stride_sph + k, sel, mask=in_k)
+        pos = tl.where(offs_p < S, tl.where(offs_p < ns, offs_p, -1), sel)
+        offs_d = tl.arange(0, BLOCK_D)
+        valid = (offs_p < S + K) & (pos >= 0)
+        slot = tl.load(Req_to_token + pool * stride_rt + pos, mask=valid, other=0).to(tl.int64)
+        m = valid[:, None] & (offs_d < D)[None, :]
+        kk = tl.load(K_cache + slot[:, None] * stride_kcs + h * stride_kch + offs_d[None, :], mask=m)
+        vv = tl.load(V_cache + slot[:, None] * stride_vcs + h * stride_vch + offs_d[None, :], mask=m)
+        tl.store(Packed_k + pool * stride_pkr + h * stride_pkh + offs_p[:, None] * stride_pkp
+                 + offs_d[None, :], kk.to(Packed_k.dtype.element_ty), mask=m)
+        tl.store(Packed_v + pool * stride_pvr + h * stride_pvh + offs_p[:, None] * stride_pvp
+                 + offs_d[None, :], vv.to(Packed_v.dtype.element_ty), mask=m)
+        if (h == 0) & (pb == 0):
+            ws = tl.load(Ws + i).to(tl.int64)
+            tl.store(Sel_count + pool, cnt)
+            tl.store(Win_start + pool, ws)
+            tl.store(N_sinks + pool, ns)
+            tl.store(Fast_ws + pool, tl.where(ns < S, ns.to(tl.int64), tl.maximum(ws, S)))
+            tl.store(Packed_len + pool, ns + cnt)
+
+
+def store_selection(k_cache, v_cache, req_to_token, slots, positions, sel_count, win_start,
+                    seq_lens, rows, sinks, sel_pos, sel_count_buf, win_start_buf, n_sinks_buf,
+                    fast_ws_buf, packed_len, packed_k, packed_v, num_warps=None):
+    """A slow step's record of one layer in one launch (SparseMemory.store's packed path):
+    for each row i of `slots` [b] (int64; only where rows [b] bool holds, if given):
+      sel_pos[slot, h, :]  = positions[i, h, :sel_count[i]] then -1 (positions [b, H, K'],
+                             K' <= K, any int dtype),
+      packed[slot, h, :]   = K/V of the sinks [0, min(seq_len, S)) then of those positions,
+      sel_count, win_start, n_sinks = min(seq_len, S) (S without seq_lens), fast_ws
+      (= n_sinks if < S else max(win_start, S)), packed_len = n_sinks + sel_count.
+    sel_count [b], win_start [b], seq_lens [b] or None: device int tensors. No host sync."""
+    b, H, KP = positions.shape
+    if b == 0:
+        return
+    D = k_cache.shape[2]
+    K = sel_pos.shape[-1]
+    assert KP <= K and sel_pos.stride(-1) == 1 and positions.stride(2) == 1
+    BLOCK_D = max(16, next_pow2(D))
+    BLOCK_P = max(16, min(128, 8192 // BLOCK_D))
+    grid = (b, H, triton.cdiv(sinks + K, BLOCK_P))
+    _store_kernel[grid](
+        k_cache, v_cache, req_to_token, slots, rows if rows is not None else slots, positions,
+        sel_count, win_start, seq_lens if seq_lens is not None else slots,
+        sel_pos, sel_count_buf, win_start_buf, n_sinks_buf, fast_ws_buf, packed_len, packed_k, packed_v,
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0), positions.stride(0), positions.stride(1),
+        sel_pos.stride(0), sel_pos.stride(1),
+        packed_k.stride(0), packed_k.stride(1), packed_k.stride(2),
+        packed_v.stride(0), packed_v.stride(1), packed_v.stride(2),
+        KP, S=int(sinks), K=K, HAS_ROWS=rows is not None, HAS_LENS=seq_lens is not None,
+        D=D, BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P, num_warps=num_warps or 4,
+    )

@@ -1,4 +1,4 @@
-"""Fused SFI Selector scores (steps 1-5 of SFI_SPEC.md) in four Triton launches, no host
+"""Fused SFI Selector scores (steps 1-6 of SFI_SPEC.md) in five Triton launches, no host
 sync (CUDA-graph capturable). Same math as sfi_sglang/selector.py `select_scores`, in
 float32, with the per-(b, h) reductions over N done as split partials:
 
@@ -16,7 +16,8 @@ float32, with the per-(b, h) reductions over N done as split partials:
                     (window max from 2*radius+1 shifted L1/L2-resident loads), cross-head
                     exclusivity, and the top-k key: s'' where finite, float32 lowest for
                     candidates whose s'' is -inf, -inf off the candidates.
-Top-k itself stays torch.topk (graph-capturable).
+  5. _pool          step 6 (neighbourhood pooling) on that key, when pool_radius > 0.
+The top-k itself is kernels/topk.py.
 
 Bytes at B = 8, H_kv = 8, G = 4, N = 128K (logits 134 MB float32): logits read twice
 (268 MB), lf/z/s/key written and read once or twice (~200 MB), key norms 34 MB.
@@ -303,6 +304,23 @@ def _nms_excl_kernel(Sc, Key, Part_m, Part_l, Lo, Hi, H, N, radius, nms_c, inv_t
     tl.store(Key + bh.to(tl.int64)[:, None] * N + offs_n[None, :], key, mask=m2)
 
 
+@triton.jit
+def _pool_kernel(Key, Out, N, radius, BLOCK_N: tl.constexpr):
+    """Step 6 on the top-k key: a finite candidate (key above float32 lowest) takes the max
+    of the finite candidates within +-radius; other entries are copied."""
+    bh = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    base = Key + bh * N
+    x = tl.load(base + offs, mask=offs < N, other=float("-inf"))
+    fin = x > -3.4028234663852886e38
+    mx = x
+    for d in range(0, 2 * radius + 1):
+        o = offs + d - radius
+        v = tl.load(base + o, mask=(o >= 0) & (o < N), other=float("-inf"))
+        mx = tl.maximum(mx, tl.where(v > -3.4028234663852886e38, v, float("-inf")))
+    tl.store(Out + bh * N + offs, tl.where(fin, mx, x), mask=offs < N)
+
+
 MAX_SPLITS = 64  # the split partials' width, BLOCK_S: fixed, so no split count builds a new variant
 
 
@@ -379,4 +397,8 @@ def fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg, block_n=None, worksp
         1.0 / float(cfg.excl_temperature), float(cfg.excl_strength),
         RENORM=geo, USE_NMS=use_nms, USE_EXCL=use_excl, BLOCK_S=BLOCK_S,
         BLOCK_H=max(2, next_pow2(H)), BLOCK_N=BN4, num_warps=4)
-    return key
+    if cfg.pool_radius <= 0:
+        return key
+    pooled = torch.empty_like(key)
+    _pool_kernel[(B * H, triton.cdiv(N, 1024))](key, pooled, N, int(cfg.pool_radius), BLOCK_N=1024, num_warps=4)
+    return pooled

@@ -152,6 +152,7 @@ class SFIAttnBackend(AttentionBackend):
         self._ref_len: Optional[int] = None  # the torch reference's length this step (CPU)
         self._sync_guard = os.environ.get(SYNC_GUARD_ENV) == "1"
         self._fi_plan = None  # the FlashInfer fast path's plan of this step
+        self._fast_ws = None  # the fast kernel's window starts of this step (_begin_decode)
         # Asynchronous maintenance: a slow step's Selector + pack run on this side stream,
         # overlapped with the step's later layers, and the next step waits for them
         # (join_maintenance). CUDA only; off by default (sfi_sglang.bench measures it).
@@ -415,6 +416,9 @@ class SFIAttnBackend(AttentionBackend):
         rows = self.step.begin(forward_batch.input_ids, slots, force_dense)
         self._apply_extra_boundaries(slots, rows.slow)
         self.memory.count_steps(slots, rows.on & ~rows.slow, rows.slow)
+        # the fast kernel's window starts, gathered once per step: within a step only slow
+        # rows store (and change theirs), and their output is the dense pass's
+        self._fast_ws = self.memory.step_window_start(slots)
 
     def _score_buffer(self, rows: int) -> torch.Tensor:
         """Slow-step logits [rows, H_q, N] float32, N = req_to_token's width (the torch
@@ -485,13 +489,11 @@ class SFIAttnBackend(AttentionBackend):
                                               layer.tp_q_head_num // layer.tp_k_head_num, scale)
             fast_plan = self._fi_plan
         o = mem.attend_fast(lid, q, kc, vc, r2t, slots, seq_lens, scale, max_len=self._ref_len,
-                            fast_plan=fast_plan)
-        dense_rows = rows.dense[:, lid]
-        slow_rows = rows.slow & ~dense_rows
+                            fast_plan=fast_plan, win_start=self._fast_ws)
+        need, slow_rows = rows.need_l[lid], rows.slow_l[lid]
 
         def dense_pass():
             # rows that are not slow or dense read nothing (length 0); their output stays fast
-            need = dense_rows | slow_rows
             lens = torch.where(need, seq_lens, torch.zeros_like(seq_lens))
             od, scores = mem.attend_slow(lid, q, kc, vc, r2t, slots, lens, scale,
                                          scores_out=self._score_buffer(q.shape[0]))

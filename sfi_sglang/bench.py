@@ -511,9 +511,10 @@ class Runner:
         return graph
 
     # -------------------------------------------------------------- parts
-    def time_parts(self, first_ids, reps: int):
+    def time_parts(self, first_ids, reps: int, layers_too: bool = False):
         """Seconds per step: the model without attention; attention alone (all layers) for
-        dense, SFI fast and SFI slow steps at the current contexts."""
+        dense, SFI fast and SFI slow steps at the current contexts. layers_too: also one
+        sparse layer as the backend runs it at a fast and at a slow step, and SDPA."""
         st, m, be = self.st, self.st.model, self.st.sfi
         s = m.s
         B = st.B
@@ -549,15 +550,32 @@ class Runner:
             be.memory.attend_fast(last.layer_id, q3, kc, vc, st.r2t_pool.req_to_token,
                                   st.fb.req_pool_indices, st.fb.seq_lens, last.scaling)
 
-        for name, fn in (("none", none), ("dense_attn", dense_attn), ("fast_attn", sfi_attn),
-                         ("dense_layer", lambda: st.dense.forward_decode(q, k, v, last, st.fb)),
-                         ("fast_layer", fast_layer)):
+        sfi_layer = lambda: be.forward_decode(q, k, v, last, st.fb)  # noqa: E731
+        sparse = last.layer_id not in be.cfg.dense_layers
+        parts = [("none", none), ("dense_attn", dense_attn), ("fast_attn", sfi_attn),
+                 ("dense_layer", lambda: st.dense.forward_decode(q, k, v, last, st.fb)),
+                 ("fast_layer", fast_layer)]
+        if layers_too and sparse:
+            # the backend's whole layer (key norms, K/V save, fast kernel, the IF node's
+            # predicate), and PyTorch's SDPA over a contiguous copy of the layer's K/V: the
+            # best dense decode kernel on the GPU machine (no FlashInfer there)
+            idx = st.r2t_pool.req_to_token[st.fb.req_pool_indices, :st.n].long()
+            kd, vd = (x[idx].permute(0, 2, 1, 3).contiguous() for x in (kc, vc))
+            qd = q3[:, :, None, :]
+            parts += [("sfi_fast_layer", sfi_layer),
+                      ("sdpa_layer", lambda: torch.nn.functional.scaled_dot_product_attention(
+                          qd, kd, vd, scale=last.scaling, enable_gqa=True))]
+        for name, fn in parts:
             res[name] = self._time(fn, reps)
+        if layers_too and sparse:
+            del kd, vd
         # slow attention: every row slow (forced)
         be.policy.since[st.fb.req_pool_indices] = be.policy.max_interval[st.fb.req_pool_indices]
         be.init_forward_metadata(st.fb)
         assert bool(be.step.rows.slow.all())
         res["slow_attn"] = self._time(sfi_attn, reps)
+        if layers_too and sparse:  # one layer's whole slow pass (dense + scores, Selector, store)
+            res["sfi_slow_layer"] = self._time(sfi_layer, reps)
         return res
 
     def _time(self, fn, reps):
@@ -592,6 +610,8 @@ def throughput(args) -> dict:
                     dense_layers=tuple(int(x) for x in args.sfi_dense_layers.split(",") if x != ""),
                     refresh="interval", max_interval=args.slow_every, fast_path=args.sfi_fast_path,
                     min_gap=min(SFIConfig.min_gap, args.slow_every))
+    if args.layers:
+        shape = dict(shape, layers=args.layers)
     model = DummyModel(shape, dtype, device)
     configs = [tuple(int(x) for x in item.split("x")) for item in args.configs.split(",")]
     rows = []
@@ -600,6 +620,18 @@ def throughput(args) -> dict:
         st = Setup(model, cfg, n, b, args.steps + 2, device, dtype)
         run = Runner(st, not args.no_cuda_graph)
         first = torch.randint(0, shape["vocab"], (b,), generator=g).to(device)
+        if args.parts_only:
+            parts = run.time_parts(first, args.reps, layers_too=True)
+            row = {"context": n, "batch": b, "parts_ms": {k: v * 1e3 for k, v in parts.items()}}
+            _layer_ratios(row)
+            rows.append(row)
+            tqdm.write(json.dumps(_rounded(row)))
+            ACTIVE.remove(st.sfi)
+            del st, run
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            continue
         dense_ids, t_dense = run.run_dense(first, args.steps)
         run.run_sfi(first, args.steps)  # warm-up: Triton compiles slow-step variants (N mod 16)
         sfi_ids, t_sfi, n_slow = run.run_sfi(first, args.steps)
@@ -614,7 +646,7 @@ def throughput(args) -> dict:
                          "async_saved_ms_per_step": (t_sfi - t_async) / args.steps * 1e3,
                          "async_tokens_equal_sync": bool(torch.equal(a_ids, sfi_ids))}
             del arun
-        parts = run.time_parts(first, args.reps)
+        parts = run.time_parts(first, args.reps, layers_too=args.layer_parts)
         r = 1.0 / args.slow_every
         ideal_sfi = parts["none"] + (1 - r) * parts["fast_attn"] + r * parts["slow_attn"]
         dense_step = t_dense / args.steps
@@ -633,21 +665,37 @@ def throughput(args) -> dict:
             # same start, same greedy tokens? (exact in fp32 when the contexts fit the budget;
             # in bf16 the two kernels' rounding can flip a near-tie of the random model)
             "tokens_equal_dense": float((dense_ids == sfi_ids[:, :args.steps]).float().mean()),
+            # a whole slow step against a dense one, and a fast one
+            "slow_step_over_dense": (parts["none"] + parts["slow_attn"]) / dense_step,
+            "fast_step_over_dense": (parts["none"] + parts["fast_attn"]) / dense_step,
             **async_row,
         }
+        _layer_ratios(row)
         rows.append(row)
-        rnd = lambda d: {k: (round(v, 3) if isinstance(v, float) else rnd(v) if isinstance(v, dict) else v)
-                         for k, v in d.items()}
-        tqdm.write(json.dumps(rnd(row)))
+        tqdm.write(json.dumps(_rounded(row)))
         ACTIVE.remove(st.sfi)
         del st, run
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-    return {"shape": args.shape, "dtype": args.dtype, "device": torch.cuda.get_device_name() if
+    return {"shape": args.shape, "layers": shape["layers"], "dtype": args.dtype, "device": torch.cuda.get_device_name() if
             device == "cuda" else "cpu", "config": cfg.to_dict(), "slow_every": args.slow_every,
             "cuda_graphs": not args.no_cuda_graph, "async_maintenance": args.async_maintenance,
             "rows": rows}
+
+
+def _rounded(d: dict) -> dict:
+    return {k: (round(v, 3) if isinstance(v, float) else _rounded(v) if isinstance(v, dict) else v)
+            for k, v in d.items()}
+
+
+def _layer_ratios(row: dict) -> None:
+    """One sparse layer's slow and fast pass against dense attention (our kernel, SDPA)."""
+    p = row["parts_ms"]
+    if "sfi_slow_layer" in p:
+        for kind in ("slow", "fast"):
+            row[f"{kind}_layer_over_sdpa"] = p[f"sfi_{kind}_layer"] / p["sdpa_layer"]
+            row[f"{kind}_layer_over_dense"] = p[f"sfi_{kind}_layer"] / p["dense_layer"]
 
 
 def plot(result: dict, path: str) -> None:
@@ -689,6 +737,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--async-maintenance", action="store_true",
                    help="also time SFI with the Selector + pack of slow steps on a side stream")
+    p.add_argument("--layers", type=int, default=0, help="override the shape's layer count")
+    p.add_argument("--layer-parts", action="store_true",
+                   help="also time one sparse layer's fast and slow pass and SDPA (parts_ms)")
+    p.add_argument("--parts-only", action="store_true",
+                   help="time the parts only (implies --layer-parts; no decode loops)")
     p.add_argument("--out", default="bench/results/throughput", help="writes OUT.json and OUT.png")
     args = p.parse_args(argv)
     try:
@@ -704,6 +757,8 @@ def main(argv: list[str]) -> int:
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}.json")
+    if args.parts_only:
+        return 0
     try:
         plot(result, args.out + ".png")
         print(f"wrote {args.out}.png")

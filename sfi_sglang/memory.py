@@ -168,8 +168,9 @@ class SparseMemory:
         seq_lens [b] optional: context length at the selection, only needed when it can be
         shorter than the sinks (then only min(S, n) sinks exist yet; default: n >= S).
         rows [b] bool, optional: only these rows are stored (the others keep their memory;
-        a decode step's slow rows among all). When packed, copies sinks + selected K/V
-        into the packed buffers (kernels.pack). No host sync.
+        a decode step's slow rows among all). On the Triton fast path, one launch
+        (kernels.store_selection) also copies sinks + selected K/V into the packed buffers.
+        No host sync.
         """
         li = self.layer_index[layer_id]
         s = self._slots(slots)
@@ -180,6 +181,14 @@ class SparseMemory:
         positions = positions.to(dev)
         kp = positions.shape[-1]
         assert kp <= self.budget, f"{kp} selected positions > budget {self.budget}"
+        if self.fast_path == "triton":  # one launch: bookkeeping and pack (kernels.store_selection)
+            self._k.store_selection(
+                k_cache, v_cache, req_to_token, s, positions.contiguous(), _per_row(sel_count, b, dev),
+                _per_row(win_start, b, dev), None if seq_lens is None else _per_row(seq_lens, b, dev),
+                None if rows is None else rows.to(dev).reshape(-1), self.sinks, self.sel_pos[li],
+                self.sel_count, self.win_start, self.n_sinks, self.fast_ws, self.packed_len,
+                self.packed_k[li], self.packed_v[li])
+            return
         cnt = torch.as_tensor(sel_count, device=dev).to(torch.int64).reshape(-1).expand(b)
         valid = self._ar_k[:kp][None, None, :] < cnt[:, None, None]
         pos = torch.where(valid, positions.to(torch.int32), -1)
@@ -198,18 +207,6 @@ class SparseMemory:
         self.win_start[s] = keep(ws, self.win_start[s])
         self.n_sinks[s] = keep(ns, self.n_sinks[s])
         self.fast_ws[s] = keep(self._fast_window_start(s), self.fast_ws[s])
-        if self.fast_path != "triton":
-            return
-        # packed rows: sinks [0, n_sinks) then the selected positions (valid prefix, -1 after)
-        H = self.num_kv_heads
-        sink = torch.where(self._ar_s[None, :] < ns[:, None], self._ar_s[None, :].to(torch.int32), -1)
-        packed = torch.cat([sink[:, None, :].expand(b, H, self.sinks), pos[..., :kp]], dim=-1)
-        if rows is not None:  # rows not stored pack nothing (-1 positions are skipped)
-            packed = torch.where(rows[:, None, None], packed, -1)
-        # when n_sinks < S the selection is empty, so -1s stay a suffix
-        self._k.pack(k_cache, v_cache, req_to_token, s, packed.contiguous(),
-                     self.packed_k[li], self.packed_v[li])
-        self.packed_len[s] = keep(ns + cnt.to(torch.int32), self.packed_len[s])
 
     # ------------------------------------------------------------------ fast step
     def _fast_window_start(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
@@ -218,6 +215,13 @@ class SparseMemory:
         ws = self.win_start[req_pool_indices].clamp_min(self.sinks)
         ns = self.n_sinks[req_pool_indices].to(torch.int64)
         return torch.where(ns < self.sinks, ns, ws)
+
+    def step_window_start(self, req_pool_indices: torch.Tensor) -> Optional[torch.Tensor]:
+        """The packed fast path's window starts of a decode step's rows (attend_fast's
+        win_start), or None on the other paths."""
+        if not self.packed or self.fast_path != "triton":
+            return None
+        return self.fast_ws[req_pool_indices.to(self.device).long()]
 
     def plan_fast(self, key, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, group: int,
                   sm_scale: float):
@@ -239,18 +243,19 @@ class SparseMemory:
     def attend_fast(self, layer_id: int, q: torch.Tensor, k_cache, v_cache, req_to_token,
                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                     out: Optional[torch.Tensor] = None, fast_plan=None, max_len: Optional[int] = None,
-                    **kernel_kw) -> torch.Tensor:
+                    win_start: Optional[torch.Tensor] = None, **kernel_kw) -> torch.Tensor:
         """Fast-step attention q [b, H_q, D] -> [b, H_q, D] over sinks + selected + window.
         Triton: one kernels.fast_decode launch (no host sync); FlashInfer: `fast_plan` from
         plan_fast for these rows; else the torch reference over the first max_len
-        positions (default max(seq_lens), a host read)."""
+        positions (default max(seq_lens), a host read). win_start: the packed path's
+        window starts of these rows, when the caller has them (step_window_start)."""
         li = self.layer_index[layer_id]
         rpi = req_pool_indices.to(self.device).long()
         if self.fast_path == "flashinfer":
             return fast_plan.run(q, k_cache, v_cache, req_to_token, rpi, seq_lens, self.fast_ws[rpi],
                                  self.n_sinks, self.sel_pos[li], self.sel_count, out=out)
         if self.packed:
-            ws = self.fast_ws[rpi]
+            ws = self.fast_ws[rpi] if win_start is None else win_start
             return self._k.fast_decode(q, k_cache, v_cache, req_to_token, rpi, seq_lens, ws,
                                        self.packed_k[li], self.packed_v[li], self.packed_len,
                                        sm_scale, out=out, **kernel_kw)
@@ -388,6 +393,12 @@ class SparseMemory:
         self._attend_masked_ref(q, k_cache, v_cache, req_to_token, rpi, self._dense_mask(seq_lens, n),
                                 sm_scale, out, logits_out=scores_out)
         return out, scores_out
+
+
+def _per_row(x, b: int, device) -> torch.Tensor:
+    """x (an int, a one-element or a [b] tensor) as a contiguous [b] tensor on device."""
+    t = torch.as_tensor(x, device=device).reshape(-1)
+    return t.expand(b).contiguous() if t.numel() == 1 and b > 1 else t
 
 
 def _kernels():

@@ -308,7 +308,7 @@ def _fused_available() -> bool:
 
 def select_key_fused(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor,
                      hi: torch.Tensor, n_rows, cfg: SFIConfig, norm_tokens=None) -> torch.Tensor:
-    """Steps 1-6 (6 in torch) + the top-k key of top_k_positions, fused in Triton (kernels/selector.py):
+    """Steps 1-6 + the top-k key of top_k_positions, fused in Triton (kernels/selector.py):
     [B, H, N] float32, s'' on the candidates (float32 lowest where s'' is -inf), -inf off
     them. Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1. No host sync."""
     from sfi_sglang import kernels
@@ -321,13 +321,4 @@ def select_key_fused(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Te
     else:
         lam_max = torch.full((b,), cfg.lambda_max_single if int(n_rows) == 1 else cfg.lambda_max_multi,
                              dtype=torch.float32, device=logits.device)
-    key = kernels.fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg,
-                                        norm_tokens=norm_tokens)
-    if cfg.pool_radius <= 0:
-        return key
-    # step 6 in torch (no host sync either), on the finite scores only, as select_scores
-    # does: candidates whose score is -inf (float32 lowest in the key) neither lift nor
-    # get lifted
-    finite = key > torch.finfo(torch.float32).min
-    pooled = pool_neighbours(torch.where(finite, key, NEG_INF), cfg.pool_radius)
-    return torch.where(finite, pooled, key)
+    return kernels.fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg, norm_tokens=norm_tokens)

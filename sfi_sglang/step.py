@@ -18,6 +18,7 @@ replay decides afresh. It leaves per-row tensors for the layers:
     dense     [B, L]  the row is dense at layer l (SFI off for it, or one of its dense layers)
     need      [L]     some row of the batch needs the dense pass at layer l (a slow or a
                       dense row): the predicate of that layer's conditional graph node
+    need_l, slow_l [L, B]  per layer: the rows of its dense pass, and those that select
 Host bookkeeping (slow_at, step counts for meta_info) is read back by `read` when a
 request reports, not per step.
 
@@ -40,6 +41,8 @@ class Rows:
     slow: torch.Tensor  # [B] bool
     dense: torch.Tensor  # [B, L] bool
     need: torch.Tensor  # [L] bool
+    need_l: torch.Tensor  # [L, B] bool: the row needs layer l's dense pass (slow or dense)
+    slow_l: torch.Tensor  # [L, B] bool: the row selects at layer l (slow, layer not dense)
 
 
 class StepPlan:
@@ -95,7 +98,10 @@ class StepPlan:
         self.slow_n[slots] = n + slow.to(torch.int32)
         self.has_sel[slots] = self.has_sel[slots] | slow
         dense = self.dense[slots] | ~on[:, None]
-        self.rows = Rows(on=on, slow=slow, dense=dense, need=(dense | slow[:, None]).any(0))
+        need = dense | slow[:, None]
+        # per-layer rows made once per step, so a layer indexes them (no launch per layer)
+        self.rows = Rows(on=on, slow=slow, dense=dense, need=need.any(0), need_l=need.t().contiguous(),
+                         slow_l=(slow[:, None] & ~dense).t().contiguous())
         return self.rows
 
 

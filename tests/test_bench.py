@@ -221,7 +221,7 @@ for n in (70, 600):  # score buffers capped at req_to_token's width, and not
                               req_pool_indices=st.fb.req_pool_indices, seq_lens=st.fb.seq_lens)
         for L in model.layers[1:]:
             st.sfi._bootstrap(torch.randn(3 * rows, s.heads * s.head_dim), L.attn, ext)
-    assert {"_fast_decode_kernel", "_row_stats_kernel", "_write_kernel", "_pack_kernel"} <= set(keys)
+    assert {"_fast_decode_kernel", "_row_stats_kernel", "_write_kernel", "_store_kernel", "_pool_kernel"} <= set(keys)
     new = sorted(name for name, v in keys.items() if not v <= warm.get(name, set()))
     assert not new, f"compiled after the warm-up: {new}"
 print("OK")

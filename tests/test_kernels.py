@@ -427,7 +427,7 @@ def recorded_variants():
 
 def launch_decode_step_kernels():
     """Every kernel a decode step launches (fast step; slow step: dense attention with
-    scores, the fused Selector, top-k, pack; dense layers; key norms), driven as the
+    scores, the fused Selector, top-k, the store and pack; dense layers; key norms), driven as the
     backend drives it, over batch sizes 1-8 and contexts 300-1500."""
     from sfi_sglang.config import SFIConfig
 
@@ -452,8 +452,15 @@ def launch_decode_step_kernels():
             key = K.fused_topk_key(scores.view(B, Hkv, G, n_max), norms, torch.full_like(hi, S), hi,
                                    lam_max, cfg, norm_tokens=tokens)
             sel = K.topk_positions(key, Kc)
-            K.pack(st["k_cache"], st["v_cache"], st["req_to_token"], st["req_pool_indices"],
-                   sel, st["packed_k"], st["packed_v"])
+            M = st["packed_k"].shape[0]
+            i32 = dict(dtype=torch.int32, device=DEV)
+            K.store_selection(st["k_cache"], st["v_cache"], st["req_to_token"],
+                              st["req_pool_indices"], sel, (hi - S).clamp_max(Kc), hi, st["seq_lens"],
+                              torch.ones(B, dtype=torch.bool, device=DEV), S,
+                              torch.full((M, Hkv, Kc), -1, **i32), torch.zeros(M, **i32),
+                              torch.zeros(M, dtype=torch.int64, device=DEV), torch.zeros(M, **i32),
+                              torch.zeros(M, dtype=torch.int64, device=DEV), torch.zeros(M, **i32),
+                              st["packed_k"], st["packed_v"])
             K.store_key_norms(st["k_cache"][:B], st["req_pool_indices"], norms)
 
 
@@ -467,7 +474,7 @@ def test_batch_and_context_build_no_new_kernel_variant():
         launch_decode_step_kernels()
     launched = {"_fast_decode_kernel", "_dense_scores_kernel", "_row_stats_kernel",
                 "_evid_prior_kernel", "_fuse_kernel", "_nms_excl_kernel", "_hist_kernel",
-                "_count_kernel", "_write_kernel", "_pack_kernel", "_key_norms_kernel"}
+                "_count_kernel", "_write_kernel", "_pool_kernel", "_store_kernel", "_key_norms_kernel"}
     assert launched <= set(keys), sorted(set(keys))
     # one variant per kernel; the dense kernel has two (with and without scores) and the
     # top-k histogram one per radix pass, whatever the batch and context

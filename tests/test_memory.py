@@ -229,6 +229,37 @@ def test_kernel_path_matches_reference(G, full):
 
 
 @kernel_test
+def test_kernel_store_is_the_reference_store_in_one_launch():
+    """kernels.store_selection (the Triton path's store) keeps the same bookkeeping as the
+    torch path, packs sinks + selection, and leaves rows outside `rows` untouched:
+    short selections (K' < K), a context shorter than the sinks, a masked-out row."""
+    Hkv, D = 2, 16
+    cfg = SFIConfig(sinks=4, window=8, budget=12, dense_layers=())
+    n_sel = [60, 3, 40, 52]
+    st, gen = make_pool([64, 6, 44, 56], Hkv, 2, D, seed=3)
+    mems = [SparseMemory(2, [1], 8, Hkv, D, cfg, DEV, torch.float32, packed=p) for p in (False, True)]
+    first = selection(cfg, n_sel, Hkv, gen, k=9)
+    pos, cnt, ws = selection(cfg, n_sel, Hkv, gen, k=7)
+    rows = torch.tensor([True, True, False, True], device=DEV)
+    lens = torch.tensor(n_sel, device=DEV)
+    for m in mems:
+        m.store(1, st["rpi"], *first, st["k"], st["v"], st["rtt"], seq_lens=lens)
+        m.store(1, st["rpi"], pos[..., :9], cnt, ws, st["k"], st["v"], st["rtt"], seq_lens=lens, rows=rows)
+    ref, ker = mems
+    for name in ("sel_pos", "sel_count", "win_start", "n_sinks", "fast_ws"):
+        assert torch.equal(getattr(ker, name), getattr(ref, name)), name
+    assert int(ker.n_sinks[int(st["rpi"][1])]) == 3 and int(ker.sel_count[int(st["rpi"][2])]) == 9
+    for b, slot in enumerate(st["rpi"].tolist()):
+        ns, c = int(ref.n_sinks[slot]), int(ref.sel_count[slot])
+        assert int(ker.packed_len[slot]) == ns + c
+        for h in range(Hkv):
+            p = torch.cat([torch.arange(ns, device=DEV), ref.sel_pos[0, slot, h, :c].long()])
+            tok = st["rtt"][slot, p].long()
+            assert torch.equal(ker.packed_k[0][slot, h, :ns + c], st["k"][tok, h])
+            assert torch.equal(ker.packed_v[0][slot, h, :ns + c], st["v"][tok, h])
+
+
+@kernel_test
 def test_kernel_path_half_precision_and_restore():
     """Half-precision pool (bf16 on CUDA; fp16 on CPU: the Triton 3.8 interpreter's tl.dot
     on bf16 returns garbage, see test_kernels.py); a second selection overwrites the first."""
