@@ -4,6 +4,7 @@
 #                                     ($OUT/kernels_h200_floor.json) and one layer's whole
 #                                     fast and slow pass, as the backend runs them in CUDA
 #                                     graphs, against dense attention ($OUT/steps_h200.*)
+#   bash bench/steps_h200.sh all      both
 #   bash bench/steps_h200.sh refresh  the graphed harness at one slow step per 8, 16, 24 and
 #                                     48 tokens ($OUT/refresh_h200_every{K}.*); merge and plot
 #                                     here with bench/plot_refresh.py
@@ -12,20 +13,24 @@ source bench/layout.sh
 sfi_site /tmp/sfi-site
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
-case "$1" in
-  layers)
+layers() {
     python -P bench/graph_check_h200.py --out $OUT 2>&1 | tee $OUT/graph_check_h200.log | tail -4
     python -P -m pytest -q -p no:cacheprovider --noconftest tests/test_memory.py tests/test_kernels.py -k "kernel or store or variant" 2>&1 | tail -3
     python -P bench/kernels_h200.py --phase floor --out $OUT 2>&1 | tee $OUT/kernels_h200_floor.log | grep -v '^  '
     python -P -m sfi_sglang.cli bench throughput --parts-only --layers 2 --sfi-dense-layers "" \
-      --configs 8192x1,8192x8,32768x1,32768x8,131072x1,131072x8 --out $OUT/steps_h200 2>&1 | tee $OUT/steps_h200.log
-    ;;
-  refresh)
+      --configs 8192x1,8192x8,32768x1,32768x8,131072x1,131072x8 --out $OUT/steps_h200 2>&1 | tee $OUT/steps_h200.log \
+      | tr '\r' '\n' | grep '^{' | cut -c1-400
+}
+refresh() {
     for k in 8 16 24 48; do
       python -P -m sfi_sglang.cli bench throughput --slow-every $k \
         --configs 8192x1,8192x8,32768x1,32768x8,131072x1,131072x4 --out $OUT/refresh_h200_every$k 2>&1 \
-        | tee $OUT/refresh_h200_every$k.log | grep -v 'contexts x batch: *[0-9]*%.*\r' | tail -8
+        | tee $OUT/refresh_h200_every$k.log | tr '\r' '\n' | grep '^{' | cut -c1-300
     done
-    ;;
-  *) echo "usage: bash bench/steps_h200.sh layers|refresh" >&2; exit 2 ;;
+}
+case "$1" in
+  layers) layers ;;
+  refresh) refresh ;;
+  all) layers; refresh ;;
+  *) echo "usage: bash bench/steps_h200.sh layers|refresh|all" >&2; exit 2 ;;
 esac

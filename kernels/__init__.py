@@ -23,9 +23,13 @@ _LAZY = {
 
 def __getattr__(name):
     if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
+        module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        # every public name of that submodule at once: importing it binds the submodule to
+        # the package attribute of its own name (pack, fast_decode), which must stay the function
+        for other, mod in _LAZY.items():
+            if mod == _LAZY[name]:
+                globals()[other] = getattr(module, other)
+        return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
