@@ -35,7 +35,6 @@ BLOCK_N_DEFAULT = 64
 NUM_STAGES_DEFAULT = 3
 NUM_WARPS_DEFAULT = 4
 MAX_SPLITS_DEFAULT = 16
-FUSED_MAX_SPLITS = 64  # the in-launch merge's BLOCK_S (fixed: no split count builds a variant)
 
 
 @triton.jit
@@ -50,7 +49,7 @@ def _fast_decode_kernel(
     stride_pvr, stride_pvh, stride_pvp,
     stride_ob, stride_oh,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FUSED_REDUCE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -119,23 +118,27 @@ def _fast_decode_kernel(
             tl.debug_barrier()
             ticket = tl.atomic_add(Counters + b * n_kv + h, 1, sem="acq_rel", scope="gpu")
             if ticket == num_splits - 1:
-                # all partials of a query head in one [splits, D] load: one L2 round trip per
-                # head, not one per split (with a loop over the splits, B=1 took 14.3/17.3/25.3
-                # us at 16/32/64 splits: bench/NOTES.md, section 9)
                 tl.debug_barrier()
-                offs_s = tl.arange(0, BLOCK_S)
-                mask_s = offs_s < num_splits
-                for g in tl.static_range(G):
-                    part = (b * n_kv * G + h * G + g) * num_splits + offs_s  # as in _write_result
-                    lse_s = tl.load(Mid_lse + part, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
-                    o_s = tl.load(Mid_o + part[:, None] * D + offs_d[None, :],
-                                  mask=mask_s[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-                    m_r = tl.max(lse_s, 0)
-                    w = tl.exp2(lse_s - tl.where(m_r == float("-inf"), 0.0, m_r))
-                    l_r = tl.sum(w, 0)
-                    res = tl.sum(o_s * w[:, None], 0) / tl.where(l_r > 0, l_r, 1.0)
-                    tl.store(Out + b * stride_ob + (h * G + g) * stride_oh + offs_d,
-                             res.to(Out.dtype.element_ty), mask=mask_d)
+                mask = mask_g[:, None] & mask_d[None, :]
+                m_r = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+                l_r = tl.zeros([BLOCK_G], dtype=tl.float32)
+                acc_r = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+                part0 = (b * n_kv * G + hq) * num_splits  # as in _write_result
+                for s2 in range(num_splits):
+                    lse_s = tl.load(Mid_lse + part0 + s2, mask=mask_g, other=float("-inf"),
+                                    cache_modifier=".cg")
+                    o_s = tl.load(Mid_o + (part0 + s2)[:, None] * D + offs_d[None, :], mask=mask,
+                                  other=0.0, cache_modifier=".cg")
+                    m_new = tl.maximum(m_r, lse_s)
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp2(m_r - m_safe)
+                    w = tl.exp2(lse_s - m_safe)
+                    acc_r = acc_r * alpha[:, None] + o_s * w[:, None]
+                    l_r = l_r * alpha + w
+                    m_r = m_new
+                res = acc_r / tl.where(l_r > 0, l_r, 1.0)[:, None]
+                tl.store(Out + b * stride_ob + hq[:, None] * stride_oh + offs_d[None, :],
+                         res.to(Out.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(Counters + b * n_kv + h, 0, sem="relaxed", scope="gpu")
 
 
@@ -193,7 +196,6 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
     mid_o, mid_lse = split_partials(B, Hq, D, num_splits, q.device)
     fused = bool(fused_reduce)
     if fused:
-        assert num_splits <= FUSED_MAX_SPLITS, f"fused split-K merge: at most {FUSED_MAX_SPLITS} splits"
         if counters is None:
             counters = _counters(q.device, B * Hkv)
         assert counters.dtype == torch.int32 and counters.numel() >= B * Hkv
@@ -215,7 +217,6 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
         packed_v.stride(0), packed_v.stride(1), packed_v.stride(2),
         out.stride(0), out.stride(1),
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, IEEE=ieee, FUSED_REDUCE=fused,
-        BLOCK_S=FUSED_MAX_SPLITS,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and not fused:
