@@ -34,3 +34,5 @@ case "$1" in
   all) layers; refresh ;;
   *) echo "usage: bash bench/steps_h200.sh layers|refresh|all" >&2; exit 2 ;;
 esac
+# the device tool returns at most 8 files: one archive of them all
+(cd $OUT && tar czf steps_h200_out.tgz --remove-files $(ls | grep -v '^steps_h200_out.tgz$'))
