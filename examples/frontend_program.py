@@ -3,6 +3,8 @@ calls) run against `sfi-sglang serve` through RuntimeEndpoint.
 
     sfi-sglang serve --port 30000 &
     python examples/frontend_program.py --url http://127.0.0.1:30000
+
+(--api-key KEY when the server was launched with --api-key.)
 """
 
 import argparse
@@ -26,8 +28,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", default="http://127.0.0.1:30000")
     ap.add_argument("--context-tokens", type=int, default=1500)
+    ap.add_argument("--api-key", default=None, help="the server's --api-key, if any")
     args = ap.parse_args()
-    sgl.set_default_backend(sgl.RuntimeEndpoint(args.url))
+    sgl.set_default_backend(sgl.RuntimeEndpoint(args.url, api_key=args.api_key))
     document = long_text(AutoTokenizer.from_pretrained(default_model_path()), args.context_tokens)
     state = read_and_ask.run(document=document)
     print("summary:", state["summary"].strip())

@@ -2,11 +2,13 @@
 into the tokenizer's boundary / content token tables, and into the ZMQ message that
 carries them to the schedulers. Tables are cached per spec; building one decodes the
 whole vocabulary once (about 0.2-0.6 s for a 50K vocabulary), which is why it runs
-here and not in the scheduler's loop."""
+here and not in the scheduler's loop. The cache keeps the MAX_TABLES most recently used
+specs (requests choose their own extra_boundaries, so the set of specs is unbounded)."""
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
 import torch
 
@@ -15,13 +17,15 @@ from sfi_sglang.router.messages import SFIBoundariesReqInput
 
 
 class BoundaryDetector:
+    MAX_TABLES = 64  # specs whose tables stay cached (least recently used dropped first)
+
     def __init__(self, tokenizer, vocab_size: int | None = None):
         self.tokenizer = tokenizer
         self.num_tokens = len(tokenizer)
         self.vocab_size = max(vocab_size or 0, self.num_tokens)
         self.version = 0
         self.spec: str | None = None
-        self._tables: dict[str, tuple[list[int], list[int]]] = {}
+        self._tables: OrderedDict[str, tuple[list[int], list[int]]] = OrderedDict()
         self._lock = threading.Lock()
 
     def tables(self, spec: str) -> tuple[list[int], list[int]]:
@@ -33,6 +37,9 @@ class BoundaryDetector:
                 neutral = ~(is_b | is_c)
                 self._tables[spec] = (torch.nonzero(is_b).flatten().tolist(),
                                       torch.nonzero(neutral).flatten().tolist())
+                while len(self._tables) > self.MAX_TABLES:
+                    self._tables.popitem(last=False)
+            self._tables.move_to_end(spec)
             return self._tables[spec]
 
     def boundary_ids(self, spec: str) -> list[int]:

@@ -110,19 +110,26 @@ def extra_boundary_ids(spec) -> list[int]:
 # ---------------------------------------------------------------- HTTP and Engine
 def add_http_routes() -> None:
     """GET/POST /sfi/boundaries on SGLang's FastAPI app, when this process serves it
-    (the routes are added before the server starts listening)."""
+    (the routes are added before the server starts listening). Auth is SGLang's own
+    (`sglang.srt.utils.auth`, enforced by its middleware under --api-key/--admin-api-key):
+    the POST changes every request's slow steps, so it is an admin endpoint like
+    /flush_cache (ADMIN_OPTIONAL: the admin key when one is set, else the API key);
+    the GET is a normal endpoint."""
     global _ROUTES_ADDED
     module = sys.modules.get("sglang.srt.entrypoints.http_server")
     if _ROUTES_ADDED or module is None:
         return
     _ROUTES_ADDED = True
+    from sglang.srt.utils.auth import AuthLevel, auth_level
 
     def manager():
         return module.get_global_state().tokenizer_manager
 
+    @auth_level(AuthLevel.NORMAL)
     async def get_boundaries():
         return JSONResponse(await query(manager()))
 
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def post_boundaries(request: Request):
         try:
             body = await request.json()

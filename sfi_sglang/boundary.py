@@ -21,6 +21,9 @@ MARK_CLASSES = {
     "latin": (".", "?", "!", "\u2026"),          # . ? ! …
     "cjk": ("\u3002", "\uff1f", "\uff01"),       # 。 ？ ！
 }
+# longest boundary spec accepted (--sfi-boundaries, POST /sfi/boundaries, a request's
+# extra_boundaries): each distinct spec costs a vocabulary scan and a cached table
+MAX_SPEC_CHARS = 4096
 CLOSERS = "\"')]}\u201d\u2019\u300d\u300f\u300b"  # " ' ) ] } ” ’ 」 』 》
 
 
@@ -30,10 +33,14 @@ def parse_boundary_spec(spec: str) -> tuple[frozenset[str], bool]:
     Comma-separated items: "latin" (. ? ! …), "cjk" (。 ？ ！), "paragraph" (tokens
     containing a blank line, "\\n\\n"), "default" (= latin,cjk), "mark:X" (the literal
     mark X, e.g. "mark:;"; X cannot contain a comma), or "none" alone (no boundaries:
-    only max_interval triggers refreshes). Anything else raises ValueError.
+    only max_interval triggers refreshes), at most MAX_SPEC_CHARS characters. Anything
+    else raises ValueError.
     """
     if not isinstance(spec, str):
         raise ValueError(f"boundary spec must be a string, got {spec!r}")
+    if len(spec) > MAX_SPEC_CHARS:
+        raise ValueError(f"boundary spec is {len(spec)} characters long, over the limit of "
+                         f"{MAX_SPEC_CHARS}")
     items = [s.strip() for s in spec.split(",")]
     if items == ["none"]:
         return frozenset(), False

@@ -30,6 +30,9 @@ def install() -> None:
                           _update_meta_info, HookType.AROUND)
     HookRegistry.register(f"{SCHEDULER}.get_internal_state", _add_sfi_state, HookType.AFTER)
     HookRegistry.register(f"{TOKENIZER_MANAGER}.__init__", _add_stats_route, HookType.AFTER)
+    HookRegistry.register(f"{TOKENIZER_MANAGER}.__init__", _record_model_limits, HookType.AFTER)
+    HookRegistry.register(f"{TOKENIZER_MANAGER}._validate_one_request", _check_prompt,
+                          HookType.BEFORE)
     HookRegistry.register(f"{SCHEDULER}.init_request_dispatcher", _add_scheduler_dispatch,
                           HookType.AFTER)
     HookRegistry.register(f"{TOKENIZER_MANAGER}.init_request_dispatcher",
@@ -108,14 +111,51 @@ def _no_dual_gemm_without_cutlass(original, self, *args, **kwargs):
 
 def _verify_sfi_params(result, self, *args, **kwargs):
     """Per-request options custom_params["sfi"] are checked where SGLang checks all
-    sampling params, so a bad one becomes HTTP 400 (ValueError) before it is queued.
+    sampling params, so a bad one becomes HTTP 400 (ValueError) before it is queued;
+    against the model too (MODEL_LIMITS) in the tokenizer manager's process.
     SamplingParams.verify has no extension point for custom_params."""
     from sfi_sglang.config import server_config
     from sfi_sglang.requests import request_config
 
-    request_config(server_config(), self.custom_params)
+    request_config(server_config(), self.custom_params, MODEL_LIMITS.get("model"))
     _resolve_extra_boundaries(self.custom_params)
     return result
+
+
+# this process's model shape (sfi_sglang.requests.ModelLimits), set by _record_model_limits
+MODEL_LIMITS: dict = {}
+
+
+def _record_model_limits(result, self, *args, **kwargs):
+    """The model's layer count and context length, for checking request options in
+    SamplingParams.verify (_verify_sfi_params), which sees only the sampling params."""
+    from sfi_sglang.requests import ModelLimits
+
+    MODEL_LIMITS["model"] = ModelLimits(num_layers=self.model_config.num_hidden_layers,
+                                        context_len=self.context_len)
+    return result
+
+
+def _check_prompt(self, obj, input_ids=None, *args, **kwargs):
+    """An empty prompt, or input_ids outside the model's vocabulary, pass SGLang's request
+    validation and crash the scheduler (the whole server) in the forward pass, with SFI
+    or without; rejected here (ValueError: HTTP 400) before the request is queued.
+    _validate_one_request is where SGLang checks each tokenized request; it has no
+    extension point."""
+    if getattr(obj, "input_embeds", None) is not None or input_ids is None:
+        return None  # embeddings, or a multimodal processor supplies the ids
+    given = getattr(obj, "input_ids", None) is not None
+    if len(input_ids) == 0:
+        field = "input_ids" if given else "text"
+        raise ValueError(f'"{field}" is empty: a request needs at least one prompt token')
+    if given:  # the client's own ids (the tokenizer's are in range)
+        vocab = self.model_config.vocab_size
+        bad = next((i for i, t in enumerate(obj.input_ids)
+                    if type(t) is not int or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f'"input_ids"[{bad}] = {obj.input_ids[bad]!r} is not a token id '
+                             f"of this model (an integer in [0, {vocab}))")
+    return None
 
 
 def _resolve_extra_boundaries(custom_params):
@@ -255,7 +295,9 @@ def _add_stats_route(result, self, *args, **kwargs):
     if app is None or any(getattr(r, "path", None) == "/sfi/stats" for r in app.routes):
         return result
     manager = self
+    from sglang.srt.utils.auth import AuthLevel, auth_level
 
+    @auth_level(AuthLevel.NORMAL)  # read-only, like /server_info
     async def sfi_stats():
         states = await manager.get_internal_state()
         per_rank = [s.get(META_KEY) for s in states]

@@ -19,6 +19,19 @@ DEVICE_OPTIONS = frozenset({"min_gap", "cooldown", "max_interval", "refresh", "d
 
 # custom_params key of a request's extra boundary token ids (set by sfi_sglang.router)
 EXTRA_IDS_KEY = "sfi_extra_boundary_ids"
+# Per-request options that count tokens: at most the model's context length (a larger one
+# means nothing more; window or max_interval 10**12 overflowed the scheduler's int tensors).
+TOKEN_COUNT_OPTIONS = ("window", "min_gap", "cooldown", "max_interval", "bootstrap_rows",
+                       "page_size", "nms_radius", "pool_radius")
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """The served model's shape that a request's options are checked against (besides
+    the server's config): its layer count and context length."""
+
+    num_layers: int
+    context_len: int
 
 
 def request_options(custom_params) -> tuple[bool, dict]:
@@ -46,11 +59,16 @@ def request_options(custom_params) -> tuple[bool, dict]:
     return enabled, opts
 
 
-def request_config(server: SFIConfig, custom_params) -> tuple[bool, SFIConfig]:
+def request_config(server: SFIConfig, custom_params,
+                   model: Optional[ModelLimits] = None) -> tuple[bool, SFIConfig]:
     """Validated per-request config on top of the server's; the budget may only shrink
-    (the server sizes its buffers for its own budget)."""
+    (the server sizes its buffers for its own budget). With `model` (the tokenizer side,
+    before the request is queued), options are also checked against the model: dense
+    layers below its layer count, token counts up to its context length."""
     enabled, overrides = request_options(custom_params)
     cfg = SFIConfig.from_dict(overrides, base=server) if overrides else server
+    if model is not None:
+        _check_model_limits(cfg, overrides, model)
     if cfg.budget > server.budget:
         raise SFIConfigError(
             f'custom_params["sfi"]["budget"] ({cfg.budget}) exceeds the server\'s '
@@ -71,6 +89,18 @@ def request_config(server: SFIConfig, custom_params) -> tuple[bool, SFIConfig]:
             f"(SFI's CUDA-graph decode step serves per request only {', '.join(sorted(DEVICE_OPTIONS))}, "
             "dense_layers as a superset of the server's, and enabled)")
     return enabled, cfg
+
+
+def _check_model_limits(cfg: SFIConfig, overrides: dict, model: ModelLimits) -> None:
+    if "dense_layers" in overrides and any(x >= model.num_layers for x in cfg.dense_layers):
+        raise SFIConfigError(
+            f'custom_params["sfi"]["dense_layers"] ({list(cfg.dense_layers)}) must be layer '
+            f"indices below the model's {model.num_layers} layers")
+    for name in TOKEN_COUNT_OPTIONS:
+        if name in overrides and getattr(cfg, name) > model.context_len:
+            raise SFIConfigError(
+                f'custom_params["sfi"]["{name}"] ({getattr(cfg, name)}) exceeds the model\'s '
+                f"context length ({model.context_len})")
 
 
 def on_device_path(cfg: SFIConfig, server: SFIConfig) -> bool:

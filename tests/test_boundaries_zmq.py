@@ -3,8 +3,9 @@
 
 Where slow steps must fire is computed independently from each response's own output
 tokens with the trigger rule of SFI_SPEC.md (a boundary token makes the refresh pending;
-the next content token runs the slow step). Requests use min_gap 1, cooldown 0 and a
-huge max_interval, so every slow step comes from a boundary."""
+the next content token runs the slow step). Requests use min_gap 1, cooldown 0 and
+max_interval at the model's context length (the largest a request may ask for), so every
+slow step comes from a boundary."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from sfi_sglang.texts import long_text
 
 from conftest import Server, chat_prompt
 
-EAGER = {"min_gap": 1, "cooldown": 0, "max_interval": 100000}
+EAGER = {"min_gap": 1, "cooldown": 0, "max_interval": 8192}  # SmolLM2's context length
 
 SCHEMAS = [
     {"type": "object", "properties": {

@@ -242,3 +242,27 @@ def test_slots_are_independent_and_per_request_cfg():
     assert pol.step(torch.tensor([W]), a).item()       # slot 1: pending boundary fires
     pol.reset(torch.tensor([1]))                       # a new request clears it
     assert int(pol.max_interval[1]) == 1000 and not pol.pending[1]
+
+
+def test_spec_length_is_limited():
+    from sfi_sglang.boundary import MAX_SPEC_CHARS
+
+    spec = ",".join(["mark:;"] * 700)
+    assert len(spec) > MAX_SPEC_CHARS
+    with pytest.raises(ValueError, match=str(MAX_SPEC_CHARS)):
+        parse_boundary_spec(spec)
+    in_limit = ",".join(["mark:;"] * 585)
+    assert len(in_limit) <= MAX_SPEC_CHARS
+    parse_boundary_spec(in_limit)
+
+
+def test_detector_cache_keeps_the_most_recently_used_specs(tok, monkeypatch):
+    """Requests choose their own extra_boundaries: the tokenizer side's table cache is an
+    LRU, not one entry per spec ever seen."""
+    from sfi_sglang.router.detector import BoundaryDetector
+
+    monkeypatch.setattr(BoundaryDetector, "MAX_TABLES", 2)
+    det = BoundaryDetector(tok)
+    for spec in ("latin", "cjk", "latin", "paragraph"):
+        det.tables(spec)
+    assert list(det._tables) == ["latin", "paragraph"]

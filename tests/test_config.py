@@ -151,3 +151,20 @@ def test_clients_cannot_set_the_internal_boundary_ids_key():
         _resolve_extra_boundaries({EXTRA_IDS_KEY: [10**12, -5]})
     _resolve_extra_boundaries([1, 2])
     _resolve_extra_boundaries({"other": 1})
+
+
+def test_request_options_are_checked_against_the_model(monkeypatch):
+    """On the tokenizer side (with the model's shape) a request's dense layers must exist
+    and its token counts fit the context length; the server's own values are not re-checked."""
+    from sfi_sglang.requests import EAGER_ENV, ModelLimits, request_config
+
+    monkeypatch.setenv(EAGER_ENV, "1")
+    model = ModelLimits(num_layers=30, context_len=8192)
+    server = SFIConfig()
+    request_config(server, {"sfi": {"dense_layers": [0, 1, 29], "window": 8192}}, model)
+    for opts, name in (({"dense_layers": [0, 1, 30]}, "dense_layers"), ({"window": 8193}, "window"),
+                       ({"max_interval": 10 ** 12}, "max_interval")):
+        with pytest.raises(SFIConfigError, match=name):
+            request_config(server, {"sfi": opts}, model)
+        request_config(server, {"sfi": opts})  # without the model: the config's own rules only
+    request_config(SFIConfig(window=9000), {"sfi": {"budget": 128}}, model)

@@ -1,5 +1,7 @@
 """`sfi-sglang serve` over real HTTP: SGLang's /generate and OpenAI API with SFI, bad
-input answered with 400 while the server keeps serving, and the examples against it."""
+input answered with 400 while the server keeps serving, SFI's endpoints under SGLang's
+API keys, and the examples against it. The server runs with --api-key and
+--admin-api-key, so every request carries a key."""
 
 from __future__ import annotations
 
@@ -11,10 +13,14 @@ import requests
 
 from conftest import REPO, Server, sfi_cli
 
+API_KEY, ADMIN_KEY = "secret", "admin"
+API = {"Authorization": f"Bearer {API_KEY}"}
+
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server("--sfi-budget", "256", "--sfi-window", "64")
+    srv = Server("--sfi-budget", "256", "--sfi-window", "64",
+                 "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY)
     yield srv
     srv.stop()
 
@@ -22,7 +28,7 @@ def server():
 def test_generate_endpoint_reports_sfi(server):
     r = requests.post(server.url + "/generate", json={
         "text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 12}},
-        timeout=300)
+        headers=API, timeout=300)
     assert r.status_code == 200, r.text
     body = r.json()
     assert "Paris" in body["text"]
@@ -33,31 +39,88 @@ def test_generate_endpoint_reports_sfi(server):
 def test_openai_chat_with_per_request_options(server):
     from openai import OpenAI
 
-    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    client = OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
     out = client.chat.completions.create(
         model="default", messages=[{"role": "user", "content": "What is the capital of France?"}],
         temperature=0, max_tokens=16, extra_body={"custom_params": {"sfi": {"budget": 128}}})
     assert "Paris" in out.choices[0].message.content
 
 
-@pytest.mark.parametrize("sfi", [{"budget": 0}, {"window": "wide"}, {"bogus": 1}, {"budget": 10 ** 6}])
-def test_bad_request_options_get_400_and_server_keeps_serving(server, sfi):
-    r = requests.post(server.url + "/generate", json={
-        "text": "Hello", "sampling_params": {"max_new_tokens": 2, "custom_params": {"sfi": sfi}}},
-        timeout=300)
+def generate_body(sfi=None, **prompt) -> dict:
+    """A /generate body of two new tokens: prompt "Hello" unless `prompt` gives text or
+    input_ids; custom_params["sfi"] = sfi when given."""
+    params = {"max_new_tokens": 2}
+    if sfi is not None:
+        params["custom_params"] = {"sfi": sfi}
+    return {**(prompt or {"text": "Hello"}), "sampling_params": params}
+
+
+# longer than the boundary-spec limit (sfi_sglang.boundary.MAX_SPEC_CHARS, 4096) and valid
+# otherwise, so only the limit rejects it
+LONG_SPEC = ",".join(["mark:;"] * 700)
+
+# (/generate body, the field the 400's message must name). Without its check, each of these
+# crashes the server (the scheduler: empty prompt, ids outside the vocabulary) or is accepted.
+BAD_INPUTS = [
+    (generate_body({"budget": 0}), "budget"),
+    (generate_body({"window": "wide"}), "window"),
+    (generate_body({"bogus": 1}), "bogus"),
+    (generate_body({"budget": 10 ** 6}), "budget"),
+    (generate_body({"window": 1e12}), "window"),
+    (generate_body({"window": 10 ** 12}), "window"),            # > the model's context length
+    (generate_body({"max_interval": 10 ** 12}), "max_interval"),
+    (generate_body({"dense_layers": [999]}), "dense_layers"),   # SmolLM2 has 30 layers
+    (generate_body({"extra_boundaries": LONG_SPEC}), "extra_boundaries"),
+    (generate_body(text=""), "text"),
+    (generate_body(input_ids=[1, 2, 10 ** 8]), "input_ids"),     # >= the vocabulary size
+    (generate_body(input_ids=[1, -1]), "input_ids"),
+]
+
+
+@pytest.mark.parametrize("body, field", BAD_INPUTS, ids=[f"{i}-{f}" for i, (_, f) in enumerate(BAD_INPUTS)])
+def test_bad_request_options_get_400_and_server_keeps_serving(server, body, field):
+    r = requests.post(server.url + "/generate", json=body, headers=API, timeout=300)
     assert r.status_code == 400, r.text
-    assert "sfi" in r.text.lower()  # the message names SFI and the bad option
-    r = requests.post(server.url + "/v1/chat/completions", json={
-        "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
-        "custom_params": {"sfi": sfi}}, timeout=300)
-    assert r.status_code == 400, r.text
-    ok = requests.post(server.url + "/generate", json={
-        "text": "Hello", "sampling_params": {"max_new_tokens": 2}}, timeout=300)
-    assert ok.status_code == 200
+    assert field in r.json()["error"]["message"]
+    sfi = body["sampling_params"].get("custom_params", {}).get("sfi")
+    if sfi is not None:  # the same options through the OpenAI API
+        r = requests.post(server.url + "/v1/chat/completions", json={
+            "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "custom_params": {"sfi": sfi}}, headers=API, timeout=300)
+        assert r.status_code == 400, r.text
+    assert requests.get(server.url + "/health", timeout=60).status_code == 200
+    ok = requests.post(server.url + "/generate", json=generate_body(), headers=API, timeout=300)
+    assert ok.status_code == 200, ok.text
+
+
+def test_boundaries_post_over_the_spec_limit_gets_400(server):
+    r = requests.post(server.url + "/sfi/boundaries", json={"boundaries": LONG_SPEC},
+                      headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
+    assert r.status_code == 400 and "4096" in r.text, r.text
+
+
+@pytest.mark.parametrize("key, admin_ok, normal_ok", [
+    (None, False, False), ("wrong", False, False), (API_KEY, False, True), (ADMIN_KEY, True, False)])
+def test_sfi_endpoints_follow_sglang_auth_levels(server, key, admin_ok, normal_ok):
+    """POST /sfi/boundaries is an admin endpoint exactly like SGLang's /flush_cache (with
+    --admin-api-key only the admin key opens it); GET /sfi/boundaries and /sfi/stats are
+    normal endpoints like /generate (the API key)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    def allowed(method, path, **kw):
+        r = requests.request(method, server.url + path, headers=headers, timeout=120, **kw)
+        assert r.status_code in (200, 401), (method, path, r.status_code, r.text)
+        return r.status_code == 200
+
+    assert allowed("POST", "/flush_cache") == admin_ok
+    assert allowed("POST", "/sfi/boundaries", json={"boundaries": "default"}) == admin_ok
+    assert allowed("GET", "/sfi/boundaries") == normal_ok
+    assert allowed("GET", "/sfi/stats") == normal_ok
 
 
 def test_example_multi_turn_chat(server):
-    out = subprocess.run([sys.executable, str(REPO / "examples" / "multi_turn_chat.py"), "--url", server.url],
+    out = subprocess.run([sys.executable, str(REPO / "examples" / "multi_turn_chat.py"), "--url", server.url,
+                          "--api-key", API_KEY],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "turn 3" in out.stdout and "sfi:" in out.stdout
@@ -66,7 +129,8 @@ def test_example_multi_turn_chat(server):
 
 
 def test_example_frontend_program(server):
-    out = subprocess.run([sys.executable, str(REPO / "examples" / "frontend_program.py"), "--url", server.url],
+    out = subprocess.run([sys.executable, str(REPO / "examples" / "frontend_program.py"), "--url", server.url,
+                          "--api-key", API_KEY],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "summary:" in out.stdout and "question:" in out.stdout
