@@ -66,6 +66,10 @@ ACTIVE: list["SFIAttnBackend"] = []
 REQUEST_PARAMS: dict[str, dict] = {}
 # A window start past any context: the fast kernel reads no window for such a slot.
 NO_WINDOW = 1 << 30
+# A slow step keeps every sparse layer's scores until the step's end and runs the Selector
+# once for all layers (rows = layers x requests: ~15 launches instead of ~15 per layer)
+# while the scores of a step fit in this many bytes; larger steps select layer by layer.
+SELECT_BATCH_BYTES = 512 << 20
 # Set to "1" (tests): a device-path decode layer that reads a tensor to the host
 # (Tensor.item/.tolist/.cpu) raises instead, so a sync that would stall CUDA graphs and the
 # overlap scheduler fails loudly on the CPU engine too.
@@ -136,8 +140,12 @@ class SFIAttnBackend(AttentionBackend):
         # prefix reuses its norms (the Selector's prior reads them). One tensor per layer,
         # like SGLang's K and V buffers: each starts 16-byte aligned, so every layer
         # launches the same kernel variant (Triton specializes on pointer alignment).
-        self.key_norms = [torch.zeros(k0.shape[0], k0.shape[1], dtype=torch.float32, device=k0.device)
-                          for _ in range(self.num_layers)]
+        # Views of one tensor whose layers start 4 rows apart (16-byte aligned rows for any
+        # H_kv): the step's batched Selector gathers every layer's norms through one pointer.
+        rows4 = -(-k0.shape[0] // 4) * 4
+        self._norms_all = torch.zeros(self.num_layers, rows4, k0.shape[1], dtype=torch.float32,
+                                      device=k0.device)
+        self.key_norms = [n[:k0.shape[0]] for n in self._norms_all.unbind(0)]
         self.policy = self._make_policy(model_runner, max_slots)
         self.step = StepPlan(self.policy, max_slots, self.num_layers, self.device)
         mc = model_runner.model_config
@@ -147,6 +155,16 @@ class SFIAttnBackend(AttentionBackend):
         # made once for the CUDA graphs' batch (init_cuda_graph_state), else per batch size.
         self._scores: Optional[torch.Tensor] = None  # eager steps
         self._graph_scores: Optional[torch.Tensor] = None  # captured steps (init_cuda_graph_state)
+        # the batched Selector's inputs: every sparse layer's scores of a step (a flat buffer,
+        # made once, never replaced: graphs write into it), and each sparse layer's offset
+        # into the flattened key norms
+        self._sparse_ids = [lid for lid in range(self.num_layers) if lid not in self.cfg.dense_layers]
+        self._sparse_index = {lid: i for i, lid in enumerate(self._sparse_ids)}
+        self._norm_offsets = torch.tensor([lid * rows4 for lid in self._sparse_ids], dtype=torch.int32,
+                                          device=k0.device)
+        self._sparse_t = torch.tensor(self._sparse_ids, dtype=torch.int64, device=k0.device)
+        self._layer_scores: Optional[torch.Tensor] = None
+        self._step_scores: Optional[torch.Tensor] = None  # this step's [L_sparse, B, H_q, N] or None
         self._host_rows: list = []  # this step's rows on the host path (eager only)
         self._extra_rows = None  # this step's rows whose input is a per-request boundary
         self._ref_len: Optional[int] = None  # the torch reference's length this step (CPU)
@@ -211,8 +229,10 @@ class SFIAttnBackend(AttentionBackend):
         lid = sparse[0]
         k_cache = self.token_to_kv_pool.get_key_buffer(lid)
         hkv, d, dev, dtype = k_cache.shape[1], k_cache.shape[2], k_cache.device, k_cache.dtype
-        layer = SimpleNamespace(layer_id=lid, tp_q_head_num=num_q_heads, tp_k_head_num=hkv,
-                                qk_head_dim=d, v_head_dim=d, scaling=d ** -0.5)
+        layers = [SimpleNamespace(layer_id=i, tp_q_head_num=num_q_heads, tp_k_head_num=hkv,
+                                  qk_head_dim=d, v_head_dim=d, scaling=d ** -0.5)
+                  for i in sorted({sparse[0], sparse[-1]})]  # the last one runs the batched Selector
+        layer = layers[0]
         width = self.req_to_token_pool.req_to_token.shape[1]
         long = cfg.sinks + cfg.window + cfg.budget + 32
         lengths = sorted({min(n, width) for n in (511, 496, long - 1, long)})
@@ -232,9 +252,10 @@ class SFIAttnBackend(AttentionBackend):
                 for _ in range(2):  # slow + dense rows, then fast + dense rows
                     self._begin_decode(fb)
                     k = zeros(2, hkv * d, dt=dtype)
-                    self._store_key_norms(k, layer, fb, True)  # KV slot 0: SGLang's padding
-                    self.forward_decode(zeros(2, num_q_heads * d, dt=dtype), k, k, layer, fb,
-                                        save_kv_cache=False)
+                    for layer_ in layers:
+                        self._store_key_norms(k, layer_, fb, True)  # KV slot 0: SGLang's padding
+                        self.forward_decode(zeros(2, num_q_heads * d, dt=dtype), k, k, layer_, fb,
+                                            save_kv_cache=False)
                     self.join_maintenance()
         finally:
             self.step.rows = None
@@ -419,6 +440,7 @@ class SFIAttnBackend(AttentionBackend):
         # the fast kernel's window starts, gathered once per step: within a step only slow
         # rows store (and change theirs), and their output is the dense pass's
         self._fast_ws = self.memory.step_window_start(slots)
+        self._step_scores = self._batched_scores(slots.shape[0])
 
     def _score_buffer(self, rows: int) -> torch.Tensor:
         """Slow-step logits [rows, H_q, N] float32, N = req_to_token's width (the torch
@@ -439,6 +461,28 @@ class SFIAttnBackend(AttentionBackend):
             buf = torch.empty((rows, self.num_q_heads, width), dtype=torch.float32, device=self.memory.device)
             setattr(self, key, buf)
         return buf[:rows]
+
+    def _batched_scores(self, rows: int) -> Optional[torch.Tensor]:
+        """[L_sparse, rows, H_q, N] float32 for a step whose Selectors run batched at its end
+        (_select_layers), or None: the layer-by-layer path (the torch reference, the side
+        stream, baselines, or more than SELECT_BATCH_BYTES of scores). The buffer is made at
+        the first use outside a capture for as many rows as fit (at most the request slots)
+        and never replaced."""
+        if (not self.memory.packed or self.side_stream is not None or not self._sparse_ids
+                or self.cfg.method != "sfi"):
+            return None
+        width = self.req_to_token_pool.req_to_token.shape[1]
+        per_row = len(self._sparse_ids) * self.num_q_heads * width
+        buf = self._layer_scores
+        if buf is None:
+            cap = min(SELECT_BATCH_BYTES // (4 * per_row), self.req_to_token_pool.req_to_token.shape[0])
+            capturing = self.memory.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            if cap < 1 or capturing:
+                return None
+            buf = self._layer_scores = torch.empty(cap * per_row, dtype=torch.float32, device=self.memory.device)
+        if rows * per_row > buf.numel():
+            return None
+        return buf[:rows * per_row].view(len(self._sparse_ids), rows, self.num_q_heads, width)
 
     def _graph_scores_for(self, rows: int) -> bool:
         buf = self._graph_scores
@@ -491,13 +535,16 @@ class SFIAttnBackend(AttentionBackend):
         o = mem.attend_fast(lid, q, kc, vc, r2t, slots, seq_lens, scale, max_len=self._ref_len,
                             fast_plan=fast_plan, win_start=self._fast_ws)
         need, slow_rows = rows.need_l[lid], rows.slow_l[lid]
+        batched = self._step_scores
 
         def dense_pass():
             # rows that are not slow or dense read nothing (length 0); their output stays fast
             lens = torch.where(need, seq_lens, torch.zeros_like(seq_lens))
-            od, scores = mem.attend_slow(lid, q, kc, vc, r2t, slots, lens, scale,
-                                         scores_out=self._score_buffer(q.shape[0]))
+            out = batched[self._sparse_index[lid]] if batched is not None else self._score_buffer(q.shape[0])
+            od, scores = mem.attend_slow(lid, q, kc, vc, r2t, slots, lens, scale, scores_out=out)
             o.copy_(torch.where(need[:, None, None], od, o))
+            if batched is not None:
+                return  # selected at the step's end, with every layer's (_select_layers)
             side = self.side_stream
             if side is None:
                 self._select_decode(lid, slots, slow_rows, scores, seq_lens)
@@ -510,6 +557,8 @@ class SFIAttnBackend(AttentionBackend):
                 t.record_stream(side)
 
         run_if(rows.need[lid], dense_pass)
+        if batched is not None and lid == self._sparse_ids[-1]:
+            run_if(rows.any_slow, lambda: self._select_layers(slots, rows, batched, seq_lens))
         return o
 
     def _host_decode(self, lid, o, q, kc, vc, r2t, forward_batch, scale) -> None:
@@ -622,6 +671,30 @@ class SFIAttnBackend(AttentionBackend):
         self.memory.store(lid, slots, pos, (hi - lo).clamp_max(cfg.budget), hi, pool.get_key_buffer(lid),
                           pool.get_value_buffer(lid), self.req_to_token_pool.req_to_token,
                           seq_lens=seq_lens, rows=slow_rows)
+
+    def _select_layers(self, slots, rows, scores, seq_lens):
+        """The step's end: the Selector for every sparse layer at once, over their scores
+        [L_sparse, B, H_q, N] (rows = layers x requests; the key norms of each layer through
+        its offset into the flattened norms), then each layer's store of its slow rows. A
+        layer's selection is first read by the next step's fast kernel, and a slow row's
+        output at this step is its dense pass's: the same result as selecting layer by layer.
+        No host sync."""
+        ls, b, hq, n = scores.shape
+        cfg, mem = self.cfg, self.memory
+        logits = scores.view(ls * b, mem.num_kv_heads, hq // mem.num_kv_heads, n)
+        hi = (seq_lens.to(torch.int64) - cfg.window).clamp_min(cfg.sinks)
+        slow = rows.slow_l.index_select(0, self._sparse_t)  # [L_sparse, B]
+        lo = torch.full((ls * b,), cfg.sinks, dtype=torch.int64, device=hi.device)
+        tokens = self.req_to_token_pool.req_to_token[slots, :n]
+        norm_tokens = (tokens[None] + self._norm_offsets[:, None, None]).view(ls * b, n)
+        norms = self._norms_all.view(-1, self._norms_all.shape[-1])
+        pos = select(logits, norms, lo, torch.where(slow, hi, cfg.sinks).view(-1), cfg.budget, 1, cfg,
+                     norm_tokens=norm_tokens)
+        cnt = (hi - cfg.sinks).clamp_max(cfg.budget)
+        pool, r2t = self.token_to_kv_pool, self.req_to_token_pool.req_to_token
+        for i, lid in enumerate(self._sparse_ids):
+            mem.store(lid, slots, pos[i * b:(i + 1) * b], cnt, hi, pool.get_key_buffer(lid),
+                      pool.get_value_buffer(lid), r2t, seq_lens=seq_lens, rows=slow[i])
 
     def _positions(self, cfg, logits, norms, lo, hi, n_rows, norm_tokens=None) -> torch.Tensor:
         """Selected positions [b, H_kv, <= K] (sorted, -1 padded) from logits [b, H_kv, R', N];

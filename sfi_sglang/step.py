@@ -43,6 +43,7 @@ class Rows:
     need: torch.Tensor  # [L] bool
     need_l: torch.Tensor  # [L, B] bool: the row needs layer l's dense pass (slow or dense)
     slow_l: torch.Tensor  # [L, B] bool: the row selects at layer l (slow, layer not dense)
+    any_slow: torch.Tensor  # [] bool: some row is slow (the step's end selects)
 
 
 class StepPlan:
@@ -101,7 +102,7 @@ class StepPlan:
         need = dense | slow[:, None]
         # per-layer rows made once per step, so a layer indexes them (no launch per layer)
         self.rows = Rows(on=on, slow=slow, dense=dense, need=need.any(0), need_l=need.t().contiguous(),
-                         slow_l=(slow[:, None] & ~dense).t().contiguous())
+                         slow_l=(slow[:, None] & ~dense).t().contiguous(), any_slow=slow.any())
         return self.rows
 
 

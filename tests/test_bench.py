@@ -69,6 +69,7 @@ assert ker.sfi.memory.packed and not ref.sfi.memory.packed
 first = torch.tensor([5, 7, 11])
 for st in setups:
     st.reset(first)
+    st.sfi.step.dense[st.fb.req_pool_indices[1], 2] = True  # a row with its own dense layer 2
 kinds_seen = set()
 for step in range(6):
     outs = []
@@ -98,8 +99,9 @@ print("OK")
 
 def test_backend_kernel_path_equals_reference_path():
     """Same decode steps (slow, fast, fast, slow, ...) through the backend with the packed
-    kernel memory (Triton, interpreted) and with the torch reference: same outputs, same
-    selections. TRITON_INTERPRET must be set before triton's import: a fresh process."""
+    kernel memory (Triton, interpreted; its slow steps select for every layer at once at the
+    step's end) and with the torch reference (layer by layer): same outputs, same
+    selections, also for a row with its own dense layer. TRITON_INTERPRET must be set before triton's import: a fresh process."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", _KERNEL_VS_REFERENCE], capture_output=True, text=True,
                        timeout=900, cwd=str(_REPO), env=env)
