@@ -623,53 +623,8 @@ def throughput(args) -> dict:
         if args.parts_only:
             parts = run.time_parts(first, args.reps, layers_too=True)
             row = {"context": n, "batch": b, "parts_ms": {k: v * 1e3 for k, v in parts.items()}}
-            _layer_ratios(row)
-            rows.append(row)
-            tqdm.write(json.dumps(_rounded(row)))
-            ACTIVE.remove(st.sfi)
-            del st, run
-            gc.collect()
-            if device == "cuda":
-                torch.cuda.empty_cache()
-            continue
-        dense_ids, t_dense = run.run_dense(first, args.steps)
-        run.run_sfi(first, args.steps)  # warm-up: Triton compiles slow-step variants (N mod 16)
-        sfi_ids, t_sfi, n_slow = run.run_sfi(first, args.steps)
-        async_row = {}
-        if args.async_maintenance:
-            st.sfi.enable_async_maintenance()
-            arun = Runner(st, not args.no_cuda_graph)
-            arun.run_sfi(first, args.steps)
-            a_ids, t_async, _ = arun.run_sfi(first, args.steps)
-            st.sfi.enable_async_maintenance(False)
-            async_row = {"sfi_async_tok_s": b * args.steps / t_async,
-                         "async_saved_ms_per_step": (t_sfi - t_async) / args.steps * 1e3,
-                         "async_tokens_equal_sync": bool(torch.equal(a_ids, sfi_ids))}
-            del arun
-        parts = run.time_parts(first, args.reps, layers_too=args.layer_parts)
-        r = 1.0 / args.slow_every
-        ideal_sfi = parts["none"] + (1 - r) * parts["fast_attn"] + r * parts["slow_attn"]
-        dense_step = t_dense / args.steps
-        sfi_step = t_sfi / args.steps
-        row = {
-            "context": n, "batch": b, "steps": args.steps,
-            "dense_tok_s": b / dense_step, "sfi_tok_s": b / sfi_step,
-            "speedup": dense_step / sfi_step,
-            "slow_steps": n_slow, "slow_rate": n_slow / args.steps,
-            "parts_ms": {k: v * 1e3 for k, v in parts.items()},
-            "ideal_speedup": dense_step / ideal_sfi,
-            "fraction_of_ideal": ideal_sfi / sfi_step,
-            "dense_step_ms": dense_step * 1e3, "sfi_step_ms": sfi_step * 1e3,
-            # tokens equal while every context fits S + W + K (then SFI attends to everything)
-            "fits_budget": n + args.steps + 1 <= cfg.sinks + cfg.window + cfg.budget,
-            # same start, same greedy tokens? (exact in fp32 when the contexts fit the budget;
-            # in bf16 the two kernels' rounding can flip a near-tie of the random model)
-            "tokens_equal_dense": float((dense_ids == sfi_ids[:, :args.steps]).float().mean()),
-            # a whole slow step against a dense one, and a fast one
-            "slow_step_over_dense": (parts["none"] + parts["slow_attn"]) / dense_step,
-            "fast_step_over_dense": (parts["none"] + parts["fast_attn"]) / dense_step,
-            **async_row,
-        }
+        else:
+            row = _decode_row(args, cfg, run, first, n, b)
         _layer_ratios(row)
         rows.append(row)
         tqdm.write(json.dumps(_rounded(row)))
@@ -682,6 +637,51 @@ def throughput(args) -> dict:
             device == "cuda" else "cpu", "config": cfg.to_dict(), "slow_every": args.slow_every,
             "cuda_graphs": not args.no_cuda_graph, "async_maintenance": args.async_maintenance,
             "rows": rows}
+
+
+def _decode_row(args, cfg, run, first, n: int, b: int) -> dict:
+    """One configuration's decode loops (dense, SFI, optionally asynchronous maintenance) and
+    parts: its result row."""
+    st = run.st
+    dense_ids, t_dense = run.run_dense(first, args.steps)
+    run.run_sfi(first, args.steps)  # warm-up: Triton compiles slow-step variants (N mod 16)
+    sfi_ids, t_sfi, n_slow = run.run_sfi(first, args.steps)
+    async_row = {}
+    if args.async_maintenance:
+        st.sfi.enable_async_maintenance()
+        arun = Runner(st, not args.no_cuda_graph)
+        arun.run_sfi(first, args.steps)
+        a_ids, t_async, _ = arun.run_sfi(first, args.steps)
+        st.sfi.enable_async_maintenance(False)
+        async_row = {"sfi_async_tok_s": b * args.steps / t_async,
+                     "async_saved_ms_per_step": (t_sfi - t_async) / args.steps * 1e3,
+                     "async_tokens_equal_sync": bool(torch.equal(a_ids, sfi_ids))}
+        del arun
+    parts = run.time_parts(first, args.reps, layers_too=args.layer_parts)
+    r = 1.0 / args.slow_every
+    ideal_sfi = parts["none"] + (1 - r) * parts["fast_attn"] + r * parts["slow_attn"]
+    dense_step = t_dense / args.steps
+    sfi_step = t_sfi / args.steps
+    row = {
+        "context": n, "batch": b, "steps": args.steps,
+        "dense_tok_s": b / dense_step, "sfi_tok_s": b / sfi_step,
+        "speedup": dense_step / sfi_step,
+        "slow_steps": n_slow, "slow_rate": n_slow / args.steps,
+        "parts_ms": {k: v * 1e3 for k, v in parts.items()},
+        "ideal_speedup": dense_step / ideal_sfi,
+        "fraction_of_ideal": ideal_sfi / sfi_step,
+        "dense_step_ms": dense_step * 1e3, "sfi_step_ms": sfi_step * 1e3,
+        # tokens equal while every context fits S + W + K (then SFI attends to everything)
+        "fits_budget": n + args.steps + 1 <= cfg.sinks + cfg.window + cfg.budget,
+        # same start, same greedy tokens? (exact in fp32 when the contexts fit the budget;
+        # in bf16 the two kernels' rounding can flip a near-tie of the random model)
+        "tokens_equal_dense": float((dense_ids == sfi_ids[:, :args.steps]).float().mean()),
+        # a whole slow step against a dense one, and a fast one
+        "slow_step_over_dense": (parts["none"] + parts["slow_attn"]) / dense_step,
+        "fast_step_over_dense": (parts["none"] + parts["fast_attn"]) / dense_step,
+        **async_row,
+    }
+    return row
 
 
 def _rounded(d: dict) -> dict:
