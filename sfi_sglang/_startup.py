@@ -11,13 +11,17 @@ What it does: nothing, unless a process imports `sgl_kernel` and that import fai
   completed with the pure-torch CPU ops of `sfi_sglang.sgl_kernel_standin`;
 - on a CUDA machine, and only with SFI_SGLANG_TORCH_KERNELS=1 set: with that module's
   torch stand-ins for SGLang's CUDA ops (see there; bench/sglang_h200.sh).
-Where `sgl_kernel` imports fine, it is left exactly as it is. Keep this file free of heavy
-imports: it runs in every Python process of the environment.
+Where `sgl_kernel` imports fine, it is left exactly as it is.
+It also installs the filters of `sfi_sglang.quiet` for the known harmless warnings SGLang
+issues while importing (named there). Keep this file free of heavy imports: it runs in every
+Python process of the environment.
 """
 
 import importlib.abc
 import importlib.machinery
 import sys
+
+from sfi_sglang import quiet as _quiet
 
 _NAME = "sgl_kernel"
 
@@ -100,3 +104,4 @@ def install() -> None:
 
 
 install()
+_quiet.install_warning_filters()

@@ -16,6 +16,9 @@ def register() -> None:
         return
     _registered = True
     _trace()
+    from sfi_sglang import quiet
+
+    quiet.install_log_filters()  # SGLang's known harmless log records (named there)
     _register_backend()
     from sfi_sglang import hooks, radix
 

@@ -1,17 +1,65 @@
 """The command line and the batch example, each a real SGLang run on the CPU engine."""
 
+import re
 import subprocess
 import sys
 
 from conftest import REPO, sfi_cli
 
+from sfi_sglang.quiet import HARMLESS_LOGS, HARMLESS_WARNINGS
+
 
 def test_generate_prints_an_answer():
+    """README command 1's job: the answer and SFI's summary, none of the named harmless
+    warnings (SGLang issues each of them in the launcher, scheduler and detokenizer)."""
     out = subprocess.run([sfi_cli(), "generate", "--prompt", "What is the capital of France?",
                           "--max-new-tokens", "16"], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Paris" in out.stdout
     assert "fast_steps" in out.stderr  # the [sfi] summary line
+    for _category, message, _module, _why in HARMLESS_WARNINGS:
+        assert not re.search(message, out.stdout + out.stderr), (message, out.stderr[-3000:])
+    for _logger, prefix, _why in HARMLESS_LOGS:
+        assert prefix not in out.stdout + out.stderr, (prefix, out.stderr[-3000:])
+
+
+_FILTER_PROBE = r"""
+import logging, sys, warnings
+from sfi_sglang import quiet
+from sfi_sglang.quiet import HARMLESS_LOGS, HARMLESS_WARNINGS
+quiet.install_log_filters()
+logging.basicConfig(stream=sys.stderr, format="LOG %(name)s %(levelname)s %(message)s")
+for category, message, module, _ in HARMLESS_WARNINGS:
+    text = message.replace("\\", "")
+    mod = module.replace("\\", "")
+    warnings.warn_explicit(text, category, "x.py", 1, module=mod + ".x")           # filtered
+    warnings.warn_explicit(text, category, "y.py", 2, module="elsewhere")          # kept: other module
+warnings.warn_explicit("some other warning", UserWarning, "z.py", 3, module=mod)   # kept: other text
+for name, prefix, _ in HARMLESS_LOGS:
+    logging.getLogger(name).warning(prefix + " (dropped)")
+    logging.getLogger(name).error(prefix + " (error kept)")
+    logging.getLogger(name).warning("another record (kept)")
+"""
+
+
+def test_quiet_filters_only_the_named_ones():
+    """The filters come from the start-up hook in a fresh interpreter, drop exactly the named
+    warnings and records, and keep the same text from other modules, other texts and errors."""
+    out = subprocess.run([sys.executable, "-c", _FILTER_PROBE], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    for _category, message, _module, _why in HARMLESS_WARNINGS:
+        text = message.replace("\\", "")
+        assert out.stderr.count(text) == 1 and f"y.py:2: UserWarning: {text}" in out.stderr, out.stderr
+    assert "z.py:3: UserWarning: some other warning" in out.stderr
+    for name, prefix, _why in HARMLESS_LOGS:
+        assert "(dropped)" not in out.stderr
+        assert f"LOG {name} ERROR {prefix} (error kept)" in out.stderr
+        assert f"LOG {name} WARNING another record (kept)" in out.stderr
+    out = subprocess.run([sys.executable, "-W", "default", "-c", _FILTER_PROBE],
+                         capture_output=True, text=True, timeout=120)
+    text = HARMLESS_WARNINGS[0][1].replace("\\", "")
+    assert out.stderr.count(text) == 2, out.stderr  # -W default shows them again
 
 
 def test_help_and_bad_usage():
