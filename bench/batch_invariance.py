@@ -13,7 +13,6 @@ def main():
     from sfi_sglang.texts import essays
     texts = list(essays().values())
     eng = sfi_sglang.Engine(sfi_budget=128, sfi_window=64, log_level="error")
-    tok = eng.tokenizer_manager.tokenizer if hasattr(eng, "tokenizer_manager") else None
     prompts = []
     for i in range(8):
         t = texts[i % len(texts)]
