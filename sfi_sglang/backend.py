@@ -783,6 +783,10 @@ class SFIAttnBackend(AttentionBackend):
         slot, req = entry
         fast, slow = self.memory.counts[slot].tolist()
         _, slow_at = self.step.read(slot)
+        if finished and self.requests.get(slot) is req:
+            # SGLang released the request (its memory published to the radix cache) before
+            # its last output; the slot's next request makes a new record
+            del self.requests[slot]
         return req.stats(fast, slow, slow_at)
 
 

@@ -29,6 +29,7 @@ def install() -> None:
     HookRegistry.register(f"{TOKENIZER_MANAGER}.update_request_meta_info",
                           _update_meta_info, HookType.AROUND)
     HookRegistry.register(f"{SCHEDULER}.get_internal_state", _add_sfi_state, HookType.AFTER)
+    HookRegistry.register(f"{SCHEDULER}.init_metrics_collector", _add_sfi_metrics, HookType.AFTER)
     HookRegistry.register(f"{TOKENIZER_MANAGER}.__init__", _add_stats_route, HookType.AFTER)
     HookRegistry.register(f"{TOKENIZER_MANAGER}.__init__", _record_model_limits, HookType.AFTER)
     HookRegistry.register(f"{TOKENIZER_MANAGER}._validate_one_request", _check_prompt,
@@ -231,20 +232,33 @@ def _record_request_options(self, recv_req, *args, **kwargs):
 
 
 def _build_sfi_info(self, reqs):
-    """meta_info["sfi"] of each emitted request, read from the scheduler's SFI backend."""
+    """meta_info["sfi"] of each emitted request, read from the scheduler's SFI backend;
+    SFI's Prometheus series (sfi_sglang.metrics) are updated here too, where the host
+    reads the requests' counters anyway."""
+    from sfi_sglang import metrics, radix
     from sfi_sglang.backend import ACTIVE
 
     if not ACTIVE:
         return {}
     backend = ACTIVE[0]
-    return {META_KEY: [[_stats(backend, r)] for r in reqs]}
+    info = {META_KEY: [[_stats(backend, r)] for r in reqs]}
+    if metrics.METRICS is not None:
+        metrics.METRICS.update_state(backend, radix.CACHES[-1].memories if radix.CACHES else None)
+    return info
 
 
 def _stats(backend, req):
-    stats = backend.request_stats(req.rid, req.finished())
+    from sfi_sglang import metrics
+
+    finished = req.finished()
+    entry = backend.by_rid.get(req.rid) if finished else None
+    stats = backend.request_stats(req.rid, finished)
+    if stats is not None and entry is not None and metrics.METRICS is not None:
+        cfg = entry[1].cfg
+        metrics.METRICS.request_finished(stats, cfg.max_interval, cfg.refresh == "interval")
     if stats is not None:  # which boundary table (sfi_sglang.router) the request ran with
         stats["boundary_version"] = backend.boundaries["version"]
-    if stats is not None and req.finished():
+    if stats is not None and finished:
         from sfi_sglang.eval import pop_result  # teacher-forcing scores (sfi-sglang eval)
 
         score = pop_result(req.rid)
@@ -280,7 +294,40 @@ def _add_sfi_state(result, self, *args, **kwargs):
         norms = sum(t.numel() * t.element_size() for t in be.key_norms)
         memory.update(allocated=be.memory.bytes() + norms,
                       allocated_slots=be.memory.max_slots)
-    result.internal_state[META_KEY] = {**radix.stats(), "memory": memory}
+    result.internal_state[META_KEY] = {**radix.stats(), "memory": memory,
+                                       "requests": _request_maps()}
+    return result
+
+
+def _request_maps() -> dict:
+    """Sizes of this scheduler's per-request state: every map keyed by request (rid or
+    slot) that SFI keeps; all 0 once no request is queued or running (a request's entries
+    go when it finishes, is aborted or is released by the radix cache)."""
+    from sfi_sglang import eval as sfi_eval, radix
+    from sfi_sglang.backend import ACTIVE, REQUEST_PARAMS
+
+    be = ACTIVE[-1] if ACTIVE else None
+    by_rid = len(be.by_rid) if be is not None else 0
+    return {"slots_in_use": by_rid,  # requests holding a memory slot (reported at finish)
+            "request_params": len(REQUEST_PARAMS),  # rid -> custom_params (backend.py)
+            "by_rid": by_rid,  # rid -> (slot, Request) (SFIAttnBackend.by_rid)
+            "slot_records": len(be.requests) if be is not None else 0,  # SFIAttnBackend.requests
+            "radix_matched": sum(len(c._reqs) for c in radix.CACHES),  # SFIRadixCache._reqs
+            "radix_started": sum(len(c._started) for c in radix.CACHES),
+            "eval_results": len(sfi_eval._RESULTS)}
+
+
+def _add_sfi_metrics(result, self, *args, **kwargs):
+    """SFI's Prometheus series (sfi_sglang.metrics), made in this scheduler process with
+    SGLang's scheduler labels when SGLang makes its own collector (--enable-metrics; the
+    ranks SGLang exports from). SGLang's collector is a fixed class with no extension
+    point for other series."""
+    ctx = getattr(self, "metrics_collector_context", None)
+    collector = getattr(ctx, "collector", None)
+    if collector is not None and ctx.current_scheduler_metrics_enabled:
+        from sfi_sglang import metrics
+
+        metrics.init(collector.labels)
     return result
 
 

@@ -266,3 +266,33 @@ def test_detector_cache_keeps_the_most_recently_used_specs(tok, monkeypatch):
     for spec in ("latin", "cjk", "latin", "paragraph"):
         det.tables(spec)
     assert list(det._tables) == ["latin", "paragraph"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_slow_step_causes_from_the_log(seed):
+    """sfi_sglang.metrics.slow_causes classifies a request's logged slow steps (what
+    /metrics exports by cause) as the policy decided them: the steps the policy forced
+    at max_interval, the forced first step of a request without a selection, the rest
+    after boundaries."""
+    from sfi_sglang.metrics import slow_causes
+
+    rng = random.Random(seed)
+    for _ in range(20):
+        cfg = cfg_(min_gap=rng.randint(1, 3), cooldown=rng.randint(0, 2), max_interval=rng.randint(3, 9),
+                   refresh=rng.choice(["boundary", "boundary", "interval"]))
+        had_selection = rng.random() < 0.7
+        seq = [rng.choice([W, W, DOT, SP]) for _ in range(rng.randint(1, 40))]
+        pol = TriggerPolicy(IS_B, IS_C, max_slots=1, cfg=cfg)
+        pol.reset(torch.tensor([0]), cfg)
+        want = {"boundary": 0, "interval": 0, "bootstrap": 0, "other": 0}
+        slow_at = []
+        for step, t in enumerate(seq, 1):
+            d = int(pol.since[0]) + 1
+            force = torch.tensor([step == 1 and not had_selection])
+            if bool(pol.step(torch.tensor([t]), torch.tensor([0]), force=force)):
+                slow_at.append(step)
+                cause = ("bootstrap" if bool(force) else
+                         "interval" if d >= cfg.max_interval else "boundary")
+                want[cause] += 1
+        assert slow_causes(slow_at, len(slow_at), cfg.max_interval, cfg.refresh == "interval",
+                           had_selection) == want, (cfg, seq, slow_at)

@@ -4,9 +4,16 @@ system prompt, node splits and eviction in a small KV pool (--max-total-tokens).
 
 S=4, W=64, K=256: contexts up to 324 tokens must give exactly the dense output, also when
 the request starts from a shared memory instead of its own bootstrap selection. Counters
-come from meta_info["sfi"] per request and GET /sfi/stats per server."""
+come from meta_info["sfi"] per request and GET /sfi/stats per server. The server runs with
+--enable-metrics: SFI's Prometheus series follow the requests (sfi_sglang.metrics), and a
+loop of finished, stopped, aborted and rejected requests leaves no per-request state."""
 
 from __future__ import annotations
+
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -22,7 +29,7 @@ POOL_TOKENS = 6144
 @pytest.fixture(scope="module")
 def server():
     srv = Server("--sfi-budget", "256", "--sfi-window", str(W), "--sfi-sinks", "4",
-                 "--max-total-tokens", str(POOL_TOKENS))
+                 "--max-total-tokens", str(POOL_TOKENS), "--enable-metrics")
     yield srv
     srv.stop()
 
@@ -189,3 +196,167 @@ def test_small_pool_eviction_frees_node_memories_then_idle(server, tokenizer):
     assert r.status_code == 200, r.text
     idle = stats(server)["radix"]
     assert idle["node_memories"] == 0 and idle["problems"] == []
+
+
+# ---------------------------------------------------------------------- metrics
+def scrape(server) -> dict:
+    """/metrics' SFI samples: {(name, (label, value), ...): value}, without SGLang's labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = requests.get(server.url + "/metrics", timeout=60)
+    assert r.status_code == 200, r.text
+    own = ("cause", "source", "reason", "sfi")
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            if s.name.startswith("sglang:sfi_") and not s.name.endswith("_created"):
+                key = (s.name, *sorted((k, v) for k, v in s.labels.items() if k in own))
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def metric(m: dict, name: str, **labels) -> float:
+    return m.get((f"sglang:sfi_{name}", *sorted(labels.items())), 0.0)
+
+
+def test_metrics_follow_the_requests(server, tokenizer):
+    """Each finished request adds its meta_info["sfi"] to the counters: fast steps, slow
+    steps by cause (interval-mode steps are all `interval`; a default request's slow steps
+    before max_interval (96) are all `boundary`), selections by source, requests by SFI on
+    or off; radix hits and evictions equal /sfi/stats' pool counters; the gauges show no
+    slot in use once the requests are done."""
+    before = scrape(server)
+    assert metric(before, "memory_slots") == 65 and metric(before, "memory_bytes") > 0
+    essay = chat_prompt(tokenizer, "Continue: " + long_text(tokenizer, 200, start=41))
+    early = {"custom_params": {"sfi": {"min_gap": 4}}}  # slow steps soon after a sentence end
+    first = generate(server, greedy(32, **early), text=essay)
+    again = generate(server, greedy(6, **early), text=essay + " Well")
+    interval = generate(server, greedy(30, custom_params={"sfi": {"refresh": "interval", "max_interval": 8, "min_gap": 4}}, ignore_eos=True),
+                        text="Tell me a story about a cat.")
+    dense = generate(server, greedy(6, **DENSE), text="Hello")
+    after = scrape(server)
+    d = lambda name, **labels: metric(after, name, **labels) - metric(before, name, **labels)
+    sfi = [o["meta_info"]["sfi"] for o in (first, again, interval)]
+    assert interval["meta_info"]["sfi"]["slow_at"] == [8, 16, 24], interval["meta_info"]
+    assert all(s < 96 for s in first["meta_info"]["sfi"]["slow_at"] + again["meta_info"]["sfi"]["slow_at"])
+    assert first["meta_info"]["sfi"]["slow_steps"] > 0  # the essay's sentences
+    assert again["meta_info"]["sfi"]["bootstrap_reused"] == 1
+    assert d("fast_steps_total") == sum(s["fast_steps"] for s in sfi)
+    assert d("slow_steps_total", cause="interval") == 3
+    assert d("slow_steps_total", cause="boundary") == sfi[0]["slow_steps"] + sfi[1]["slow_steps"]
+    assert d("slow_steps_total", cause="bootstrap") == 0 and d("slow_steps_total", cause="other") == 0
+    assert d("selections_total", source="slow_step") == sum(s["slow_steps"] for s in sfi)
+    assert d("selections_total", source="prefill") == sum(s["bootstrap_computed"] for s in sfi)
+    assert d("selections_total", source="shared_prefix") == 1
+    assert d("requests_total", sfi="on") == 3 and d("requests_total", sfi="off") == 1
+    assert d("radix_memory_hits_total") == 1
+    radix = stats(server)["radix"]
+    assert metric(after, "radix_memory_hits_total") == radix["lookups_hit"]
+    assert metric(after, "radix_memory_evictions_total", reason="tree_evict") == radix["freed_on_evict"]
+    assert metric(after, "radix_memory_evictions_total", reason="lru") == radix["dropped_lru"]
+    assert metric(after, "radix_node_memories") == radix["node_memories"] > 0
+    assert metric(after, "memory_slots_in_use") == 0 and metric(after, "memory_bytes_in_use") == 0
+
+
+def test_metrics_gauges_count_running_requests(server):
+    """While a long request streams, its slot and bytes are in use."""
+    with requests.post(server.url + "/generate", stream=True, timeout=300, json={
+            "text": "Write a long story about the sea.", "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}}) as r:
+        lines = r.iter_lines()
+        for _ in range(2):  # a few chunks: the request runs
+            next(lines)
+        m = scrape(server)
+        assert metric(m, "memory_slots_in_use") == 1
+        assert 0 < metric(m, "memory_bytes_in_use") < metric(m, "memory_bytes")
+        for _ in lines:
+            pass
+    time.sleep(0.5)
+    assert metric(scrape(server), "memory_slots_in_use") == 0
+
+
+# ---------------------------------------------------------------------- leaks
+def server_rss(server) -> int:
+    """Resident bytes of the server's processes (HTTP + tokenizer, scheduler, detokenizer)."""
+    import psutil
+
+    root = psutil.Process(server.proc.pid)
+    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+
+
+RSS_TOLERANCE = 64 << 20
+
+
+def _one_request(server, kind: str, i: int) -> str:
+    """One request of the loop: what happened to it."""
+    url = server.url + "/generate"
+    if kind == "finish":  # max_new_tokens
+        body = {"text": f"Count from {i}:", "sampling_params": greedy(2 + i % 4)}
+        return str(requests.post(url, json=body, timeout=300).status_code)
+    if kind == "stop":  # a stop string
+        body = {"text": f"List {i} fruits, separated by commas:",
+                "sampling_params": greedy(12, stop=[","])}
+        return str(requests.post(url, json=body, timeout=300).status_code)
+    if kind == "bad":  # rejected before the scheduler (HTTP 400)
+        bodies = [{"text": "", "sampling_params": greedy(4)},
+                  {"text": "Hi", "sampling_params": greedy(4, custom_params={"sfi": {"budget": -1}})},
+                  {"input_ids": [1, -5], "sampling_params": greedy(4)}]
+        return str(requests.post(url, json=bodies[i % 3], timeout=300).status_code)
+    if kind == "disconnect":  # the client drops a stream after its first chunks
+        body = {"text": f"Tell a long story number {i}.", "stream": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}}
+        with requests.post(url, json=body, stream=True, timeout=300) as r:
+            lines = r.iter_lines()
+            next(lines)
+        return "dropped"
+    # kind == "abort": SGLang's /abort_request, before or after the request is scheduled
+    rid = uuid.uuid4().hex
+    body = {"text": f"Tell a long story number {i}.", "rid": rid,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}}
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault(
+        "r", requests.post(url, json=body, timeout=300)))
+    t.start()
+    time.sleep(0.05 * (i % 6))
+    assert requests.post(server.url + "/abort_request", json={"rid": rid}, timeout=60).status_code == 200
+    t.join()
+    return f"abort:{result['r'].json()['meta_info']['finish_reason']['type']}"
+
+
+def _loop(server, n: int) -> list[str]:
+    kinds = ["finish", "stop", "bad", "disconnect", "abort", "finish"]
+    with ThreadPoolExecutor(6) as pool:
+        return list(pool.map(lambda i: _one_request(server, kinds[i % len(kinds)], i), range(n)))
+
+
+def _idle_maps(server) -> dict:
+    """/sfi/stats once the server has no request left (aborts settle within a few steps)."""
+    deadline = time.time() + 60
+    while True:
+        s = stats(server)
+        if s["requests"]["slots_in_use"] == 0 or time.time() > deadline:
+            return s
+        time.sleep(0.5)
+
+
+def test_finished_aborted_and_rejected_requests_leave_nothing(server):
+    """120 requests, six at a time: a third end by max_new_tokens, a sixth by a stop
+    string, a sixth are rejected (HTTP 400), a sixth are dropped mid-stream by the client
+    and a sixth aborted through /abort_request. Afterwards no slot is in use, every
+    per-request map is empty, the radix memories
+    within capacity, and the server's RSS within RSS_TOLERANCE of a warm-up's."""
+    _loop(server, 12)  # warm-up: every path once, allocator caches grown
+    _idle_maps(server)
+    rss0 = server_rss(server)
+    outcomes = _loop(server, 120)
+    assert outcomes.count("200") == 60 and outcomes.count("400") == 20, outcomes
+    assert outcomes.count("dropped") == 20
+    assert sum(o.startswith("abort:") for o in outcomes) == 20
+    s = _idle_maps(server)
+    maps = s["requests"]
+    assert maps["slots_in_use"] == 0, maps
+    assert {k: v for k, v in maps.items() if v} == {}, maps
+    assert s["radix"]["node_memories"] <= s["radix"]["capacity"] and s["radix"]["problems"] == []
+    assert metric(scrape(server), "memory_slots_in_use") == 0
+    rss1 = server_rss(server)
+    assert rss1 - rss0 < RSS_TOLERANCE, (rss0, rss1)
