@@ -45,6 +45,7 @@ class SFIBoundariesReqOutput(BaseReq, kw_only=True):
     num_content: int = 0
     vocab_size: int = 0
     installed_at: float = 0.0
+    tp_ranks: List[dict] = []  # every TP rank's installed table (tp_size > 1)
 
     def summary(self) -> dict:
         return {f: getattr(self, f) for f in self.__struct_fields__

@@ -17,8 +17,11 @@ logger = logging.getLogger(__name__)
 def handle(scheduler, req: SFIBoundariesReqInput):
     from sfi_sglang.backend import ACTIVE
 
+    from sglang.srt.runtime_context import get_parallel
+
+    # SGLang 0.5.23's Scheduler has no dp_rank attribute: the rank is in its runtime context
     out = SFIBoundariesReqOutput(rid=req.rid, pid=os.getpid(),
-                                 dp_rank=getattr(scheduler, "dp_rank", None) or 0,
+                                 dp_rank=get_parallel().dp_rank or 0,
                                  tp_size=getattr(scheduler, "tp_size", 1) or 1, sfi=bool(ACTIVE))
     try:
         if req.spec is not None:
@@ -33,4 +36,13 @@ def handle(scheduler, req: SFIBoundariesReqInput):
     if ACTIVE:
         for key, value in ACTIVE[0].boundaries.items():
             setattr(out, key, value)
+    if req.reply and (getattr(scheduler, "tp_size", 1) or 1) > 1:
+        # every TP rank handles the message (SGLang broadcasts requests to the TP group);
+        # rank 0 replies with each rank's table (sfi_sglang.parallel)
+        from sfi_sglang.parallel import tp_gather, tp_rank
+
+        mine = {"tp_rank": tp_rank(), "pid": os.getpid(),
+                "success": out.success, "spec": out.spec, "version": out.version,
+                "num_boundary": out.num_boundary}
+        out.tp_ranks = tp_gather(scheduler, mine)
     return out if req.reply else None

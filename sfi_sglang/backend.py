@@ -787,7 +787,12 @@ class SFIAttnBackend(AttentionBackend):
             # SGLang released the request (its memory published to the radix cache) before
             # its last output; the slot's next request makes a new record
             del self.requests[slot]
-        return req.stats(fast, slow, slow_at)
+        stats = req.stats(fast, slow, slow_at)
+        if finished:  # this rank's decision log (sfi_sglang.parallel: TP ranks compared)
+            from sfi_sglang import parallel
+
+            parallel.record(rid, stats)
+        return stats
 
 
 def baseline_positions(cfg: SFIConfig, n: int, q, k_cache, tokens) -> torch.Tensor:

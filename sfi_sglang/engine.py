@@ -34,6 +34,43 @@ def dense_backend() -> str:
     return "triton" if has_gpu() else "torch_native"
 
 
+# SGLang's CPU engine under tensor or data parallelism (tp x dp x pp ranks > 1):
+# - it pins each rank's OpenMP threads to one NUMA node and refuses more ranks than nodes
+#   unless SGLANG_CPU_OMP_THREADS_BIND names each rank's cores (sglang/srt/utils/numa_utils.py,
+#   init_threads_binding); on a one-node machine the cores are split between the ranks here;
+# - its TP group builds a PyNccl communicator whenever libnccl loads, and torch's CUDA wheel
+#   ships libnccl, so on a machine without a GPU the group's init fails with "ValueError:
+#   Expected a cuda device, but got: cpu" (sglang/srt/distributed/device_communicators/
+#   pynccl.py, `with torch.cuda.device(device)`); pointing SGLANG_NCCL_SO_PATH at no library
+#   makes PyNccl disable itself (its "missing NCCL library, e.g. in a non-GPU environment"
+#   case) and the collectives run on gloo (or SGLang's shared-memory all-reduce where the CPU
+#   has AMX). A user's own value of either variable wins.
+NO_NCCL = "/nonexistent/sfi-sglang-cpu-engine-has-no-nccl/libnccl.so.2"
+
+
+def cpu_parallel_env(ranks: int) -> None:
+    """Environment for `ranks` (tp x dp x pp) CPU-engine scheduler processes (see above);
+    nothing for one rank or on a GPU machine."""
+    if ranks <= 1 or has_gpu():
+        return
+    os.environ.setdefault("SGLANG_NCCL_SO_PATH", NO_NCCL)
+    if "SGLANG_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    try:
+        from sglang.srt.utils.numa_utils import get_cpu_ids_by_node
+
+        nodes = len(get_cpu_ids_by_node())
+    except Exception:  # no NUMA information: SGLang would fail the same way
+        nodes = 1
+    if ranks <= nodes:
+        return  # SGLang's default: one node per rank
+    cpus = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cpus) // ranks)
+    groups = [cpus[(i * per) % len(cpus):(i * per) % len(cpus) + per] for i in range(ranks)]
+    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+        f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
 def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict[str, Any]:
     """SGLang server arguments with our defaults filled in where the user gave none."""
     out = dict(kwargs)
@@ -79,4 +116,11 @@ def Engine(*, disable_sfi: bool = False, **kwargs):
 
     sfi = {k[len("sfi_"):]: kwargs.pop(k) for k in list(kwargs) if k.startswith("sfi_")}
     cfg = SFIConfig.from_dict(sfi)
-    return sglang.Engine(**launch_kwargs(kwargs, cfg, enabled=not disable_sfi))
+    out = launch_kwargs(kwargs, cfg, enabled=not disable_sfi)
+    ranks = 1
+    for key in ("tp_size", "dp_size", "pp_size"):
+        ranks *= int(out.get(key) or 1)
+    cpu_parallel_env(ranks)
+    if ranks > 1 and not has_gpu():
+        out.setdefault("disable_custom_all_reduce", True)  # a GPU all-reduce
+    return sglang.Engine(**out)

@@ -65,6 +65,10 @@ def install() -> None:
     # that package the answer is "no" (SGLang's plain path), not a crash.
     import os
 
+    # tensor parallel: every TP rank's SFI state in /sfi/stats (sfi_sglang.parallel)
+    from sfi_sglang import parallel
+
+    parallel.install()
     if os.environ.get("SFI_SGLANG_TORCH_KERNELS") == "1":
         HookRegistry.register("sglang.srt.layers.dual_gemm.DualGemm._select_mode",
                               _no_dual_gemm_without_cutlass, HookType.AROUND)
