@@ -16,6 +16,7 @@ TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 SAMPLING_PARAMS = "sglang.srt.sampling.sampling_params.SamplingParams"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 
 META_KEY = "sfi"
 
@@ -59,6 +60,8 @@ def install() -> None:
     SchedulerOutputStreamer.has_additional_customized_info = True
     HookRegistry.register(f"{KV_CONFIGURATOR}._profile_available_bytes", _reserve_sfi_memory,
                           HookType.AROUND)
+    HookRegistry.register(f"{MODEL_RUNNER}.maybe_enable_batch_invariant_mode",
+                          _batch_invariant_on_cpu, HookType.AROUND)
     # Under sgl_kernel's torch stand-in (a GPU without sglang-kernel, SFI_SGLANG_TORCH_KERNELS):
     # every CUDA model's MLP asks the CUTLASS DSL module whether its SM100 dual GEMM applies,
     # importing the nvidia-cutlass-dsl package that comes with sglang-kernel's stack. Without
@@ -72,6 +75,21 @@ def install() -> None:
     if os.environ.get("SFI_SGLANG_TORCH_KERNELS") == "1":
         HookRegistry.register("sglang.srt.layers.dual_gemm.DualGemm._select_mode",
                               _no_dual_gemm_without_cutlass, HookType.AROUND)
+
+
+def _batch_invariant_on_cpu(original, self, *args, **kwargs):
+    """--enable-deterministic-inference: SGLang's batch-invariant ops are GPU kernels and
+    raise on its CPU engine; there the CPU's own GEMM is made batch-invariant instead
+    (sfi_sglang.batch_invariant). The method is SGLang's switch for the mode, with no
+    extension point for another device."""
+    from sglang.srt.runtime_context import get_exec
+
+    if str(self.device).startswith("cpu") and get_exec().deterministic.enable_deterministic_inference:
+        from sfi_sglang import batch_invariant
+
+        batch_invariant.enable()
+        return None
+    return original(self, *args, **kwargs)
 
 
 def _reserve_sfi_memory(original, self, *args, **kwargs):

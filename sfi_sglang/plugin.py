@@ -38,6 +38,9 @@ def _register_backend() -> None:
 
     if "sfi" not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices(["sfi"])
+    from sfi_sglang import batch_invariant
+
+    batch_invariant.register_backend_choices()  # --enable-deterministic-inference
 
     @register_attention_backend("sfi")
     def create_sfi_backend(runner):

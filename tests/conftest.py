@@ -16,6 +16,14 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 GREEDY = {"temperature": 0.0}
 
+# The shared server's keys (SGLang's --api-key / --admin-api-key): every request carries one.
+API_KEY, ADMIN_KEY = "secret", "admin"
+API = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+# SGLang's CPU engine sizes its KV pool as a fraction of the machine's memory (0.3 by default,
+# ~7 GB here); test servers take less, since the shared server lives beside other modules' ones.
+TEST_MEM_FRACTION = "0.08"
+
 
 def sfi_cli() -> str:
     return str(Path(sys.executable).with_name("sfi-sglang"))
@@ -36,6 +44,8 @@ class Server:
     """`sfi-sglang serve ...` in its own process group, on a free loopback port."""
 
     def __init__(self, *args: str, timeout: float = 600):
+        if "--mem-fraction-static" not in args and "--max-total-tokens" not in args:
+            args = (*args, "--mem-fraction-static", TEST_MEM_FRACTION)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"sfi-serve-{self.port}.log", "w+")
@@ -83,3 +93,14 @@ def tokenizer(model_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture(scope="session")
+def shared_server():
+    """One `sfi-sglang serve` for the modules that need nothing else (test_server,
+    test_boundaries_zmq): budget 256, window 64, the grammar backend sfi-xgrammar, SGLang's
+    API keys. A module that changes the server-wide boundary table sets it back."""
+    srv = Server("--sfi-budget", "256", "--sfi-window", "64", "--grammar-backend", "sfi-xgrammar",
+                 "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY)
+    yield srv
+    srv.stop()

@@ -1,5 +1,6 @@
 """Tokenizer-side boundary tables over ZMQ, and structured generation with SFI, on a real
-`sfi-sglang serve` (CPU engine, SmolLM2) with the grammar backend `sfi-xgrammar`.
+`sfi-sglang serve` (CPU engine, SmolLM2) with the grammar backend `sfi-xgrammar`
+(conftest's shared_server: requests carry its API key, table updates its admin key).
 
 Where slow steps must fire is computed independently from each response's own output
 tokens with the trigger rule of SFI_SPEC.md (a boundary token makes the refresh pending;
@@ -21,7 +22,7 @@ from sfi_sglang.boundary import boundary_tables
 from sfi_sglang.grammar import JsonTracker, token_texts
 from sfi_sglang.texts import long_text
 
-from conftest import Server, chat_prompt
+from conftest import ADMIN, API, chat_prompt
 
 EAGER = {"min_gap": 1, "cooldown": 0, "max_interval": 8192}  # SmolLM2's context length
 
@@ -47,11 +48,8 @@ SCHEMAS = [
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = Server("--sfi-budget", "256", "--sfi-window", "64", "--grammar-backend", "sfi-xgrammar",
-                 "--mem-fraction-static", "0.08")
-    yield srv
-    srv.stop()
+def server(shared_server):
+    return shared_server
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +67,14 @@ def generate(server, text, max_new_tokens=48, sfi=None, **sampling):
     if sfi is not None:
         params["custom_params"] = {"sfi": sfi}
     r = requests.post(server.url + "/generate", json={"text": text, "sampling_params": params},
-                      timeout=600)
+                      headers=API, timeout=600)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def set_boundaries(server, spec):
-    r = requests.post(server.url + "/sfi/boundaries", json={"boundaries": spec}, timeout=120)
+    r = requests.post(server.url + "/sfi/boundaries", json={"boundaries": spec}, headers=ADMIN,
+                      timeout=120)
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["success"] and all(s["spec"] == spec for s in body["schedulers"])
@@ -118,7 +117,7 @@ def scheduler_pids(server) -> set[int]:
 # ---------------------------------------------------------------- the message
 def test_startup_table_reaches_every_scheduler(server):
     generate(server, "Hello", max_new_tokens=2)  # the table goes out ahead of the first request
-    body = requests.get(server.url + "/sfi/boundaries", timeout=60).json()
+    body = requests.get(server.url + "/sfi/boundaries", headers=API, timeout=60).json()
     scheds = body["schedulers"]
     assert len(scheds) == 1  # one per DP rank (dp_size 1 here)
     (s,) = scheds
@@ -148,12 +147,12 @@ def test_run_time_update_moves_slow_steps(server, tokenizer, long_prompt):
 @pytest.mark.parametrize("body", [{"boundaries": "bogus"}, {"boundaries": "latin,mark:"},
                                   {"boundaries": 3}, {"spec": "latin"}, None])
 def test_bad_spec_gets_400_and_server_keeps_serving(server, body):
-    before = requests.get(server.url + "/sfi/boundaries", timeout=60).json()
-    r = requests.post(server.url + "/sfi/boundaries", timeout=60,
+    before = requests.get(server.url + "/sfi/boundaries", headers=API, timeout=60).json()
+    r = requests.post(server.url + "/sfi/boundaries", timeout=60, headers=ADMIN,
                       **({"json": body} if body is not None else {"data": "not json"}))
     assert r.status_code == 400, r.text
     assert "boundar" in r.text.lower()
-    after = requests.get(server.url + "/sfi/boundaries", timeout=60).json()
+    after = requests.get(server.url + "/sfi/boundaries", headers=API, timeout=60).json()
     assert after["schedulers"][0]["version"] == before["schedulers"][0]["version"]
     assert generate(server, "The capital of France is", max_new_tokens=4)["text"]
 
@@ -170,7 +169,7 @@ def test_per_request_extra_boundaries(server, tokenizer, long_prompt):
         assert sfi["slow_at"]
         plain = generate(server, prompt, max_new_tokens=64, ignore_eos=True, sfi=EAGER)
         assert plain["meta_info"]["sfi"]["slow_at"] == []
-        r = requests.post(server.url + "/generate", timeout=60, json={
+        r = requests.post(server.url + "/generate", timeout=60, headers=API, json={
             "text": "Hi", "sampling_params": {"max_new_tokens": 2, "custom_params": {
                 "sfi": {"extra_boundaries": "nonsense"}}}})
         assert r.status_code == 400 and "extra_boundaries" in r.text

@@ -141,39 +141,6 @@ def test_host_read_guard_refuses_item_tolist_cpu():
     assert t.tolist() == [0, 1, 2]  # restored
 
 
-def test_mixed_batch_rows_equal_their_alone_runs(engine, prompts):
-    """One batch mixing an SFI row past its memory (fast and slow steps), an SFI-off row
-    (dense), a row with its own dense layers and a row that fits S+W+K: each row's tokens
-    and slow steps are what it gets alone (the step plan decides per row, on the device)."""
-    long_more = chat_prompt_like(prompts["long"])
-    reqs = [
-        (prompts["long"], {}),
-        (prompts["fit"][1], {"custom_params": {"sfi": {"enabled": False}}}),
-        (long_more, {"custom_params": {"sfi": {"dense_layers": [0, 1, 5, 9]}}}),
-        (prompts["fit"][2], {}),
-    ]
-    params = [{**GREEDY, "max_new_tokens": 40, **extra} for _, extra in reqs]
-
-    def fresh(fn):  # no radix reuse: each run computes its own bootstrap selections
-        assert engine.flush_cache().success
-        return fn()
-
-    batch = fresh(lambda: engine.generate([p for p, _ in reqs], params))
-    alone = [fresh(lambda: engine.generate(p, sp)) for (p, _), sp in zip(reqs, params)]
-    for i, (b, a) in enumerate(zip(batch, alone)):
-        assert b["output_ids"] == a["output_ids"], i
-        assert b["meta_info"]["sfi"]["slow_at"] == a["meta_info"]["sfi"]["slow_at"], i
-    sfi = [o["meta_info"]["sfi"] for o in batch]
-    assert sfi[0]["slow_steps"] >= 1 and sfi[0]["fast_steps"] > sfi[0]["slow_steps"]
-    assert not sfi[1]["enabled"] and sfi[1]["fast_steps"] == 0
-    assert sfi[2]["slow_steps"] >= 1 and sfi[3]["fast_steps"] > 0
-
-
-def chat_prompt_like(prompt: str) -> str:
-    """Another long prompt: the same essay with a different question."""
-    return prompt.replace("What is this essay about?", "Which examples does this essay give?")
-
-
 def test_per_request_disable_gives_dense_output(engine, dense, prompts):
     out = engine.generate(prompts["long"], {**GREEDY, "max_new_tokens": 64,
                                             "custom_params": {"sfi": {"enabled": False}}})

@@ -1,7 +1,7 @@
 """`sfi-sglang serve` over real HTTP: SGLang's /generate and OpenAI API with SFI, bad
 input answered with 400 while the server keeps serving, SFI's endpoints under SGLang's
-API keys, and the examples against it. The server runs with --api-key and
---admin-api-key, so every request carries a key."""
+API keys, and the examples against it. The server (conftest's shared_server) runs with
+--api-key and --admin-api-key, so every request carries a key."""
 
 from __future__ import annotations
 
@@ -11,18 +11,12 @@ import sys
 import pytest
 import requests
 
-from conftest import REPO, Server, sfi_cli
-
-API_KEY, ADMIN_KEY = "secret", "admin"
-API = {"Authorization": f"Bearer {API_KEY}"}
+from conftest import ADMIN, ADMIN_KEY, API, API_KEY, REPO, sfi_cli
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = Server("--sfi-budget", "256", "--sfi-window", "64",
-                 "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY)
-    yield srv
-    srv.stop()
+def server(shared_server):
+    return shared_server
 
 
 def test_generate_endpoint_reports_sfi(server):
@@ -74,15 +68,44 @@ BAD_INPUTS = [
     (generate_body(text=""), "text"),
     (generate_body(input_ids=[1, 2, 10 ** 8]), "input_ids"),     # >= the vocabulary size
     (generate_body(input_ids=[1, -1]), "input_ids"),
+    # SGLang's own checks, kept by the package (a change in SGLang that loses one shows here)
+    ('{"text": "Hello", "sampling_params": {', "JSON decode error"),   # invalid JSON
+    ("[1, 2, 3]", "GenerateReqInput"),                                # not an object
+    ({"text": 5, "sampling_params": {"max_new_tokens": 2}}, "text"),
+    ({"text": "Hello", "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens"),
+    ({"text": "Hello", "sampling_params": {"max_new_tokens": "four"}}, "four"),
+    ({"text": "Hello", "sampling_params": {"temperature": -1}}, "temperature"),
+    ({"text": "Hello", "sampling_params": {"bogus_key": 1}}, "bogus_key"),
+    (generate_body(input_ids=[100] * 9000), "context length"),       # SmolLM2: 8192 positions
+    ({"input_ids": [100] * 8000, "sampling_params": {"max_new_tokens": 1000}}, "context length"),
+    # structured generation: bad grammars, and bad SFI options beside good grammars
+    ({"text": "Hello", "sampling_params": {"max_new_tokens": 2, "json_schema": "{not json"}}, "json"),
+    ({"text": "Hello", "sampling_params": {"max_new_tokens": 2, "regex": "("}}, "regex"),
+    ({"text": "Hello", "sampling_params": {"max_new_tokens": 2, "ebnf": "root ::= "}}, "ebnf"),
+    ({"text": "Hello", "sampling_params": {"max_new_tokens": 2, "regex": "a+",
+                                           "json_schema": '{"type": "string"}'}}, "Only one"),
+    ({"text": "Hello", "sampling_params": {"max_new_tokens": 2, "json_schema": '{"type": "string"}',
+                                           "custom_params": {"sfi": {"budget": -1}}}}, "budget"),
+    ({"text": "Hello", "sampling_params": {"max_new_tokens": 2, "regex": "(yes|no)",
+                                           "custom_params": {"sfi": {"extra_boundaries": "mark:"}}}},
+     "extra_boundaries"),
+    ({"text": "Hello", "sampling_params": {"max_new_tokens": 2, "ebnf": 'root ::= "yes" | "no"',
+                                           "custom_params": {"sfi": {"window": 10 ** 12}}}}, "window"),
 ]
 
 
 @pytest.mark.parametrize("body, field", BAD_INPUTS, ids=[f"{i}-{f}" for i, (_, f) in enumerate(BAD_INPUTS)])
 def test_bad_request_options_get_400_and_server_keeps_serving(server, body, field):
-    r = requests.post(server.url + "/generate", json=body, headers=API, timeout=300)
+    """Each bad body gets a 400 whose message names the field (or the bad value), and the
+    server keeps serving. A str body is sent as it is (raw JSON text)."""
+    send = {"data": body, "headers": {**API, "Content-Type": "application/json"}} \
+        if isinstance(body, str) else {"json": body, "headers": API}
+    r = requests.post(server.url + "/generate", timeout=300, **send)
     assert r.status_code == 400, r.text
-    assert field in r.json()["error"]["message"]
-    sfi = body["sampling_params"].get("custom_params", {}).get("sfi")
+    error = r.json()
+    assert field in (error["message"] if "message" in error else str(error["error"])), error
+    sampling = body.get("sampling_params", {}) if isinstance(body, dict) else {}
+    sfi = sampling.get("custom_params", {}).get("sfi")
     if sfi is not None:  # the same options through the OpenAI API
         r = requests.post(server.url + "/v1/chat/completions", json={
             "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
@@ -93,9 +116,19 @@ def test_bad_request_options_get_400_and_server_keeps_serving(server, body, fiel
     assert ok.status_code == 200, ok.text
 
 
+def test_custom_params_that_are_not_an_object_are_served_as_sglang_does(server):
+    """SGLang accepts any custom_params (it crashed the scheduler with SFI on): SFI then
+    runs with the server's options, as for a request without custom_params."""
+    r = requests.post(server.url + "/generate", json={
+        "text": "Hello", "sampling_params": {"max_new_tokens": 2, "custom_params": [1, 2]}},
+        headers=API, timeout=300)
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["sfi"]["budget"] == 256
+
+
 def test_boundaries_post_over_the_spec_limit_gets_400(server):
     r = requests.post(server.url + "/sfi/boundaries", json={"boundaries": LONG_SPEC},
-                      headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
+                      headers=ADMIN, timeout=60)
     assert r.status_code == 400 and "4096" in r.text, r.text
 
 
