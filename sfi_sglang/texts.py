@@ -29,3 +29,31 @@ def long_text(tokenizer, n_tokens: int, start: int = 0) -> str:
         if len(ids) >= n_tokens:
             break
     return tokenizer.decode(ids[:n_tokens])
+
+
+# ---------------------------------------------------------------- sources for `eval quality`
+LICENSE_DIR = Path("/usr/share/common-licenses")  # Debian's base-files, on every Debian/Ubuntu
+
+
+def licenses() -> dict[str, str]:
+    """name -> text of the distinct licence texts in /usr/share/common-licenses (links such
+    as GPL -> GPL-3 left out), sorted by name; empty where the folder is missing."""
+    if not LICENSE_DIR.is_dir():
+        return {}
+    return {p.name: p.read_text(encoding="utf-8", errors="replace")
+            for p in sorted(LICENSE_DIR.iterdir()) if p.is_file() and not p.is_symlink()}
+
+
+def python_docs() -> dict[str, str]:
+    """topic -> text of the Python documentation's topic pages (pydoc_data, in every CPython)."""
+    from pydoc_data.topics import topics
+
+    return {k: topics[k] for k in sorted(topics)}
+
+
+BUILTIN_SOURCES = {"essays": essays, "python-docs": python_docs, "licenses": licenses}
+
+
+def source_text(name: str) -> str:
+    """One built-in source (a key of BUILTIN_SOURCES) as one text, its parts in name order."""
+    return "\n\n".join(BUILTIN_SOURCES[name]().values())

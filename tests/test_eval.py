@@ -1,27 +1,43 @@
-"""`sfi-sglang eval quality`, reduced: one short text, two methods, one retention."""
+"""`sfi-sglang eval quality`, reduced: two short texts (a --text-file and the licences),
+two methods, one retention; the interval math and the text windows without an engine."""
 
 import json
+import math
 import subprocess
 
+import pytest
 from conftest import sfi_cli
+
+from sfi_sglang.eval import TextError, mean_ci, summary, t975, wilson, windows
+from sfi_sglang.texts import essays
 
 
 def test_eval_quality_smoke(tmp_path):
     out = tmp_path / "q"
+    doc = tmp_path / "doc.txt"
+    doc.write_text("\n\n".join(list(essays().values())[:3])[:20000])
     r = subprocess.run([sfi_cli(), "eval", "quality", "--contexts", "512", "--retention", "0.25",
-                        "--ablation-retention", "0.25", "--methods", "sfi,streaming", "--texts", "1",
+                        "--ablation-retention", "0.25", "--methods", "sfi,streaming", "--texts", "2",
+                        "--text-file", str(doc), "--builtin-texts", "licenses",
                         "--steps", "6", "--passkey-contexts", "", "--mem-fraction-static", "0.08",
                         "--out", str(out)], capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())
-    tf = {row["method"]: row for row in result["rows"] if row["kind"] == "teacher_forced"}
-    assert set(tf) == {"sfi", "streaming"}
-    for row in tf.values():
+    tf = [row for row in result["rows"] if row["kind"] == "teacher_forced"]
+    assert sorted((row["method"], row["source"]) for row in tf) == sorted(
+        (m, s) for m in ("sfi", "streaming") for s in (str(doc), "licenses"))
+    for row in tf:
         assert row["steps"] == 5  # decode steps 1..5 scored against dense
         assert 0.0 <= row["top1_agreement"] <= 1.0 and row["mean_kl"] >= 0.0
-    assert tf["streaming"]["slow_steps"] == 0  # baselines never run slow steps
+    assert all(row["slow_steps"] == 0 for row in tf if row["method"] == "streaming")  # no slow steps
     assert {row["method"] for row in result["rows"] if row["kind"] == "greedy"} == {"sfi", "streaming"}
-    assert "| sfi |" in out.with_suffix(".md").read_text()
+    groups = {g["method"]: g for g in result["summary"]["teacher_forced"]}
+    assert set(groups) == {"sfi", "streaming"}
+    for g in groups.values():  # two texts: an interval around the mean
+        assert g["texts"] == 2 and g["top1_ci"][0] <= g["top1_agreement"] <= g["top1_ci"][1]
+        assert 0.0 <= g["kl_ci"][0] <= g["mean_kl"] <= g["kl_ci"][1]
+    md = out.with_suffix(".md").read_text()
+    assert "| sfi |" in md and "95% CI" in md and "t-interval" in md
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
@@ -35,3 +51,47 @@ def test_eval_rejects_unknown_passkey_method():
     r = subprocess.run([sfi_cli(), "eval", "quality", "--passkey-methods", "dense,sfi,h2o"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "h2o" in r.stderr
+
+
+def test_eval_rejects_short_text_file(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("Far too short for a window of 512 + 6 tokens.")
+    r = subprocess.run([sfi_cli(), "eval", "quality", "--contexts", "512", "--steps", "6",
+                        "--text-file", str(short)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert str(short) in r.stderr and "needs at least 518" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_intervals_known_cases():
+    mean, lo, hi = mean_ci([1.0, 2.0, 3.0, 4.0, 5.0])  # sd sqrt(2.5), t(0.975, 4) = 2.7764
+    assert mean == 3.0 and lo == pytest.approx(1.0368, abs=1e-3) and hi == pytest.approx(4.9632, abs=1e-3)
+    assert mean_ci([0.98, 0.99, 1.0], 0.0, 1.0)[2] == 1.0  # clipped
+    assert mean_ci([0.5]) == (0.5, None, None)
+    assert t975(1) == pytest.approx(12.706, abs=1e-3) and t975(40) == pytest.approx(2.0211, abs=1e-3)
+    assert t975(120) == pytest.approx(1.9799, abs=1e-3)
+    assert wilson(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert wilson(10, 10) == pytest.approx((0.7225, 1.0), abs=1e-4)
+    rows = [{"kind": "teacher_forced", "method": "sfi", "retention": 0.1, "context": 512, "source": "s",
+             "steps": 5, "top1_agreement": a, "mean_kl": k} for a, k in ((0.8, 0.1), (1.0, 0.3))]
+    rows += [{"kind": "passkey", "method": "sfi", "context": 512, "depth": 0.5, "found": i < 5}
+             for i in range(10)]
+    summ = summary(rows)
+    g = summ["teacher_forced"][0]  # n = 2: mean 0.9, sd 0.1414, half = 12.706 x 0.1 = 1.27
+    assert g["top1_agreement"] == pytest.approx(0.9) and g["top1_ci"] == [0.0, 1.0]
+    assert g["kl_ci"][0] == 0.0 and g["kl_ci"][1] == pytest.approx(0.2 + 12.7062 * 0.1, abs=1e-3)
+    assert summ["passkey"][0]["found"] == 5 and summ["passkey"][0]["total"] == 10
+    assert summ["passkey"][0]["ci"] == pytest.approx([0.2366, 0.7634], abs=1e-4)
+    assert not math.isnan(g["mean_kl"])
+
+
+def test_text_windows_distinct_and_skipped():
+    sources = [("a", list(range(5000)), 1000), ("b", list(range(10000, 13000)), 0), ("c", list(range(100)), 0)]
+    got, skipped = windows(sources, 1000, 4)
+    assert [(name, start) for name, start, _ in got] == [("a", 1000), ("b", 0), ("a", 2512), ("b", 1512)]
+    assert all(len(ids) == 1000 for _, _, ids in got)
+    seen = [t for _, _, ids in got for t in ids]
+    assert len(seen) == len(set(seen))  # no token of any source in two windows
+    assert len(skipped) == 1 and skipped[0].startswith("c: 100 tokens, too short")
+    with pytest.raises(TextError, match="only 4 non-overlapping windows"):
+        windows(sources, 1000, 5)
