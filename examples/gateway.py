@@ -6,6 +6,7 @@ memory: meta_info["sfi"]["bootstrap_reused"]), then stops everything.
 
     pip install smg
     python examples/gateway.py                 # about 2 minutes on 2 CPU cores
+    python examples/gateway.py --gateway URL --workers URL URL   # chats over a running fleet
 
 The same by hand:
 
@@ -77,18 +78,46 @@ def tool(name: str) -> str:
     return str(here) if here.exists() else (shutil.which(name) or name)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sfi-budget", default="128")
-    ap.add_argument("--sfi-window", default="64")
-    ap.add_argument("--logs", default=os.environ.get("TMPDIR", "/tmp"))
-    args = ap.parse_args()
+def chats(gateway: str, workers: list[str]) -> None:
+    """Two three-turn chats through the gateway; how many bootstrap selections each worker
+    reused from its radix cache meanwhile."""
     from transformers import AutoTokenizer
 
     from sfi_sglang.model import default_model_path
     from sfi_sglang.texts import long_text
 
     tok = AutoTokenizer.from_pretrained(default_model_path())
+    before = [requests.get(w + "/sfi/stats").json()["bootstrap_reused"] for w in workers]
+    essays = [long_text(tok, 300), long_text(tok, 300, start=5)]
+    for chat, essay in enumerate(essays):
+        messages = [{"role": "user", "content": f"Here is an essay:\n\n{essay}\n\nWhat is it about?"}]
+        for turn, follow_up in enumerate(["Name one idea from it.", "Thanks."], start=1):
+            prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            r = requests.post(gateway + "/generate", json={
+                "text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 16}}, timeout=600)
+            r.raise_for_status()
+            out = r.json()
+            sfi = out["meta_info"]["sfi"]
+            print(f"chat {chat} turn {turn} on {r.headers.get('x-smg-routed-worker-id')}: "
+                  f"bootstrap computed {sfi['bootstrap_computed']}, "
+                  f"reused {sfi['bootstrap_reused']}: {out['text'].strip()!r}")
+            messages += [{"role": "assistant", "content": out["text"]},
+                         {"role": "user", "content": follow_up}]
+    after = [requests.get(w + "/sfi/stats").json()["bootstrap_reused"] for w in workers]
+    for w, b, a in zip(workers, before, after):
+        print(f"{w}: {a - b} bootstrap selections reused from its radix cache")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sfi-budget", default="128")
+    ap.add_argument("--sfi-window", default="64")
+    ap.add_argument("--logs", default=os.environ.get("TMPDIR", "/tmp"))
+    ap.add_argument("--gateway", help="a running gateway's URL (launch nothing)")
+    ap.add_argument("--workers", nargs="*", default=[], help="with --gateway: its workers' URLs")
+    args = ap.parse_args()
+    if args.gateway:
+        return chats(args.gateway, args.workers)
     procs = []
     try:
         workers = []
@@ -108,25 +137,7 @@ def main():
                             Path(args.logs) / f"smg-{port}.log"))
         wait_ready(gateway, procs[-1], None)
         print("workers:", workers, "gateway:", gateway)
-        before = [requests.get(w + "/sfi/stats").json()["bootstrap_reused"] for w in workers]
-        essays = [long_text(tok, 300), long_text(tok, 300, start=5)]
-        for chat, essay in enumerate(essays):
-            messages = [{"role": "user", "content": f"Here is an essay:\n\n{essay}\n\nWhat is it about?"}]
-            for turn, follow_up in enumerate(["Name one idea from it.", "Thanks."], start=1):
-                prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-                r = requests.post(gateway + "/generate", json={
-                    "text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 16}}, timeout=600)
-                r.raise_for_status()
-                out = r.json()
-                sfi = out["meta_info"]["sfi"]
-                print(f"chat {chat} turn {turn} on {r.headers.get('x-smg-routed-worker-id')}: "
-                      f"bootstrap computed {sfi['bootstrap_computed']}, "
-                      f"reused {sfi['bootstrap_reused']}: {out['text'].strip()!r}")
-                messages += [{"role": "assistant", "content": out["text"]},
-                             {"role": "user", "content": follow_up}]
-        after = [requests.get(w + "/sfi/stats").json()["bootstrap_reused"] for w in workers]
-        for w, b, a in zip(workers, before, after):
-            print(f"{w}: {a - b} bootstrap selections reused from its radix cache")
+        chats(gateway, workers)
     finally:
         for proc in reversed(procs):
             stop(proc)

@@ -70,12 +70,12 @@ def serve(argv: list[str]) -> int:
 
     load_plugins()  # registers the `sfi` backend choice before SGLang parses its args
     server_args = prepare_server_args(rest)
-    from sfi_sglang.engine import cpu_parallel_env, has_gpu
+    from sfi_sglang.engine import cpu_parallel_args
 
-    ranks = server_args.tp_size * server_args.dp_size * server_args.pp_size
-    cpu_parallel_env(ranks)  # CPU engine with tp/dp > 1 (engine.py says why)
-    if ranks > 1 and not has_gpu():
-        server_args.disable_custom_all_reduce = True  # a GPU all-reduce
+    # CPU engine with tp/dp > 1 (engine.py says why)
+    for key, value in cpu_parallel_args(server_args.tp_size * server_args.dp_size
+                                        * server_args.pp_size).items():
+        setattr(server_args, key, value)
     try:
         run_server(server_args)
     finally:

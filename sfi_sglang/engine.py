@@ -48,27 +48,26 @@ def dense_backend() -> str:
 NO_NCCL = "/nonexistent/sfi-sglang-cpu-engine-has-no-nccl/libnccl.so.2"
 
 
-def cpu_parallel_env(ranks: int) -> None:
-    """Environment for `ranks` (tp x dp x pp) CPU-engine scheduler processes (see above);
-    nothing for one rank or on a GPU machine."""
+def cpu_parallel_args(ranks: int) -> dict[str, Any]:
+    """SGLang server arguments for `ranks` (tp x dp x pp) CPU-engine scheduler processes,
+    after setting their environment (see above); nothing for one rank or on a GPU machine."""
     if ranks <= 1 or has_gpu():
-        return
+        return {}
     os.environ.setdefault("SGLANG_NCCL_SO_PATH", NO_NCCL)
-    if "SGLANG_CPU_OMP_THREADS_BIND" in os.environ:
-        return
-    try:
-        from sglang.srt.utils.numa_utils import get_cpu_ids_by_node
+    if "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
+        try:
+            from sglang.srt.utils.numa_utils import get_cpu_ids_by_node
 
-        nodes = len(get_cpu_ids_by_node())
-    except Exception:  # no NUMA information: SGLang would fail the same way
-        nodes = 1
-    if ranks <= nodes:
-        return  # SGLang's default: one node per rank
-    cpus = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cpus) // ranks)
-    groups = [cpus[(i * per) % len(cpus):(i * per) % len(cpus) + per] for i in range(ranks)]
-    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
-        f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+            nodes = len(get_cpu_ids_by_node())
+        except Exception:  # no NUMA information: SGLang would fail the same way
+            nodes = 1
+        if ranks > nodes:  # else SGLang's default: one node per rank
+            cpus = sorted(os.sched_getaffinity(0))
+            per = max(1, len(cpus) // ranks)
+            groups = [cpus[(i * per) % len(cpus):(i * per) % len(cpus) + per] for i in range(ranks)]
+            os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+                f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+    return {"disable_custom_all_reduce": True}  # a GPU all-reduce
 
 
 def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict[str, Any]:
@@ -120,7 +119,6 @@ def Engine(*, disable_sfi: bool = False, **kwargs):
     ranks = 1
     for key in ("tp_size", "dp_size", "pp_size"):
         ranks *= int(out.get(key) or 1)
-    cpu_parallel_env(ranks)
-    if ranks > 1 and not has_gpu():
-        out.setdefault("disable_custom_all_reduce", True)  # a GPU all-reduce
+    for key, value in cpu_parallel_args(ranks).items():
+        out.setdefault(key, value)
     return sglang.Engine(**out)

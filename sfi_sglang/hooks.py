@@ -68,10 +68,6 @@ def install() -> None:
     # that package the answer is "no" (SGLang's plain path), not a crash.
     import os
 
-    # tensor parallel: every TP rank's SFI state in /sfi/stats (sfi_sglang.parallel)
-    from sfi_sglang import parallel
-
-    parallel.install()
     if os.environ.get("SFI_SGLANG_TORCH_KERNELS") == "1":
         HookRegistry.register("sglang.srt.layers.dual_gemm.DualGemm._select_mode",
                               _no_dual_gemm_without_cutlass, HookType.AROUND)
@@ -307,7 +303,7 @@ def _add_sfi_state(result, self, *args, **kwargs):
     (_reserve_sfi_memory) join its internal
     state, which SGLang serves at /server_info and Engine.get_server_info(); the internal
     state is assembled from a fixed list of contributors with no extension point."""
-    from sfi_sglang import radix
+    from sfi_sglang import parallel, radix
     from sfi_sglang.backend import ACTIVE
 
     memory = dict(MEMORY)
@@ -317,7 +313,10 @@ def _add_sfi_state(result, self, *args, **kwargs):
         memory.update(allocated=be.memory.bytes() + norms,
                       allocated_slots=be.memory.max_slots)
     result.internal_state[META_KEY] = {**radix.stats(), "memory": memory,
-                                       "requests": _request_maps()}
+                                       "requests": _request_maps(),
+                                       # every TP rank's summary (a collective over the TP group:
+                                       # each rank runs get_internal_state for the request)
+                                       "tp_ranks": parallel.tp_gather(self, parallel.rank_summary(self))}
     return result
 
 

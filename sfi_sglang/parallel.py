@@ -17,8 +17,9 @@ The slow/fast decision follows from the tokens (TriggerPolicy.step on the step's
 and the request's options, which every rank sees the same, so every rank takes the same
 decisions; only rank 0's are sent with the output (meta_info["sfi"]). To show it, each rank
 keeps the decision log of its last MAX_DECISIONS finished requests, and `/sfi/stats`
-(Scheduler.get_internal_state, which every TP rank runs for the same request) gathers every
-rank's summary over the TP group's CPU (gloo) group into "tp_ranks"; GET /sfi/boundaries
+(Scheduler.get_internal_state, which every TP rank runs for the same request; the hook is
+sfi_sglang.hooks._add_sfi_state) gathers every rank's summary over the TP group's CPU
+(gloo) group into "tp_ranks"; GET /sfi/boundaries
 gathers each rank's installed table the same way.
 """
 
@@ -30,15 +31,6 @@ from collections import OrderedDict
 MAX_DECISIONS = 256
 # rid -> this rank's decisions for the request (its slow steps and step counts), finished only
 DECISIONS: "OrderedDict[str, dict]" = OrderedDict()
-
-SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
-
-
-def install() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(f"{SCHEDULER}.get_internal_state", _add_tp_ranks, HookType.AFTER)
-
 
 def record(rid, stats: dict) -> None:
     """A finished request's decisions on this rank (from SFIAttnBackend.request_stats)."""
@@ -87,14 +79,3 @@ def rank_summary(scheduler) -> dict:
     except Exception as err:  # never skip the collective on one rank
         out["error"] = f"{type(err).__name__}: {err}"
     return out
-
-
-def _add_tp_ranks(result, self, *args, **kwargs):
-    """/sfi/stats' "tp_ranks": every TP rank's summary (rank_summary), gathered on each
-    rank. Scheduler.get_internal_state assembles its reply from a fixed list of
-    contributors with no extension point."""
-    state = getattr(result, "internal_state", None)
-    ranks = tp_gather(self, rank_summary(self))
-    if isinstance(state, dict):
-        state.setdefault("sfi", {})["tp_ranks"] = ranks
-    return result

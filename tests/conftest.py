@@ -40,30 +40,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
-    """`sfi-sglang serve ...` in its own process group, on a free loopback port."""
+class Service:
+    """A server command in its own process group on a free loopback port (`{port}` in the
+    command), its output in a log file; ready once `ready(url)` is true."""
 
-    def __init__(self, *args: str, timeout: float = 600):
-        if "--mem-fraction-static" not in args and "--max-total-tokens" not in args:
-            args = (*args, "--mem-fraction-static", TEST_MEM_FRACTION)
+    name = "server"
+
+    def __init__(self, cmd: list[str], ready, timeout: float, log_name: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"sfi-serve-{self.port}.log", "w+")
-        self.proc = subprocess.Popen(
-            [sfi_cli(), "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"{log_name}-{self.port}.log", "w+")
+        self.proc = subprocess.Popen([str(self.port) if a == "{port}" else a for a in cmd],
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
             try:
-                if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
+                if ready(self.url):
                     return
             except requests.RequestException:
                 pass
             time.sleep(2)
         self.stop()
-        raise RuntimeError(f"server did not become healthy in {timeout}s:\n{self.tail()}")
+        raise RuntimeError(f"{self.name} did not become healthy in {timeout}s:\n{self.tail()}")
 
     def tail(self, n: int = 4000) -> str:
         self.log.flush()
@@ -79,6 +79,17 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.log.close()
+
+
+class Server(Service):
+    """`sfi-sglang serve ...`, healthy once /health_generate answers."""
+
+    def __init__(self, *args: str, timeout: float = 600):
+        if "--mem-fraction-static" not in args and "--max-total-tokens" not in args:
+            args = (*args, "--mem-fraction-static", TEST_MEM_FRACTION)
+        super().__init__([sfi_cli(), "serve", "--host", "127.0.0.1", "--port", "{port}", *args],
+                         lambda url: requests.get(url + "/health_generate", timeout=30).status_code == 200,
+                         timeout, "sfi-serve")
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ import requests
 
 from sfi_sglang.texts import long_text
 
-from conftest import Server, chat_prompt, free_port
+from conftest import REPO, Server, Service, chat_prompt, free_port
 
 pytest.importorskip("smg", reason="the gateway tests need the PyPI package smg")
 
@@ -44,47 +44,21 @@ def smg_cli() -> str:
     return str(here) if here.exists() else shutil.which("smg")
 
 
-class Gateway:
+class Gateway(Service):
     """`smg launch` with the cache-aware policy over the given workers, on loopback only
-    (its Prometheus listener too, which defaults to 0.0.0.0:29000)."""
+    (its Prometheus listener too, which defaults to 0.0.0.0:29000); ready once a one-token
+    /generate answers (its /health answers before the workers are registered)."""
+
+    name = "gateway"
 
     def __init__(self, workers: list[str], *extra: str, timeout: float = 120):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"smg-{self.port}.log", "w+")
-        self.proc = subprocess.Popen(
-            [smg_cli(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
-             "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
-             "--prometheus-port", str(free_port()), *extra, "--worker-urls", *workers],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{self.tail()}")
-            try:  # /health answers before the workers are registered: ask for a token
-                if requests.post(self.url + "/generate", json={
-                        "text": "Hi", "sampling_params": {"max_new_tokens": 1}}, timeout=60).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise RuntimeError(f"gateway not healthy in {timeout}s:\n{self.tail()}")
-
-    def tail(self, n: int = 4000) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()[-n:]
-
-    def stop(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
+        super().__init__(
+            [smg_cli(), "launch", "--host", "127.0.0.1", "--port", "{port}", "--policy", "cache_aware",
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *extra,
+             "--worker-urls", *workers],
+            lambda url: requests.post(url + "/generate", json={
+                "text": "Hi", "sampling_params": {"max_new_tokens": 1}}, timeout=60).status_code == 200,
+            timeout, "smg")
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +149,19 @@ def test_sfi_endpoints_are_per_worker(fleet):
         assert r.json()["error"]["code"] == "unknown_url", r.text
 
 
-def test_a_killed_worker_fails_only_its_requests(fleet, tokenizer):
+def test_example_gateway_chats(fleet):
+    """examples/gateway.py's chats over this fleet: later turns reuse a worker's memory."""
+    gateway, workers = fleet
+    out = subprocess.run([sys.executable, str(REPO / "examples" / "gateway.py"), "--gateway", gateway.url,
+                          "--workers", *[w.url for w in workers]], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "chat 1 turn 2" in out.stdout, out.stdout
+    reused = sum(int(line.split(": ")[1].split()[0]) for line in out.stdout.splitlines()
+                 if line.endswith("reused from its radix cache"))
+    assert reused >= 2, out.stdout  # the second turn of each chat
+
+
+def test_a_killed_workers_requests_complete_on_the_other_worker(fleet, tokenizer):
     gateway, workers = fleet
     # texts no earlier request began with: no cached prefix pins them, so the cache-aware
     # policy spreads them by load
