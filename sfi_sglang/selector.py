@@ -16,8 +16,6 @@ memory (sinks + selected + window) is the whole history.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
