@@ -8,8 +8,11 @@ import subprocess
 import pytest
 from conftest import sfi_cli
 
-from sfi_sglang.eval import TextError, mean_ci, summary, t975, wilson, windows
 from sfi_sglang.texts import essays
+
+# sfi_sglang.eval is imported inside the tests: at collection its SGLang imports would import
+# triton before test_kernels.py sets TRITON_INTERPRET=1, breaking the in-process kernel runs
+# of test_bench.py in a full run.
 
 
 def test_eval_quality_smoke(tmp_path):
@@ -64,6 +67,8 @@ def test_eval_rejects_short_text_file(tmp_path):
 
 
 def test_intervals_known_cases():
+    from sfi_sglang.eval import mean_ci, summary, t975, wilson
+
     mean, lo, hi = mean_ci([1.0, 2.0, 3.0, 4.0, 5.0])  # sd sqrt(2.5), t(0.975, 4) = 2.7764
     assert mean == 3.0 and lo == pytest.approx(1.0368, abs=1e-3) and hi == pytest.approx(4.9632, abs=1e-3)
     assert mean_ci([0.98, 0.99, 1.0], 0.0, 1.0)[2] == 1.0  # clipped
@@ -86,6 +91,8 @@ def test_intervals_known_cases():
 
 
 def test_text_windows_distinct_and_skipped():
+    from sfi_sglang.eval import TextError, windows
+
     sources = [("a", list(range(5000)), 1000), ("b", list(range(10000, 13000)), 0), ("c", list(range(100)), 0)]
     got, skipped = windows(sources, 1000, 4)
     assert [(name, start) for name, start, _ in got] == [("a", 1000), ("b", 0), ("a", 2512), ("b", 1512)]
