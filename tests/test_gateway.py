@@ -31,7 +31,7 @@ import requests
 
 from sfi_sglang.texts import long_text
 
-from conftest import REPO, Server, Service, chat_prompt, free_port
+from conftest import REPO, Service, chat_prompt, free_port, start_servers
 
 pytest.importorskip("smg", reason="the gateway tests need the PyPI package smg")
 
@@ -63,17 +63,7 @@ class Gateway(Service):
 
 @pytest.fixture(scope="module")
 def fleet():
-    with ThreadPoolExecutor(2) as pool:  # both workers start at once (~1 min each)
-        futures = [pool.submit(Server, *WORKER_ARGS) for _ in range(2)]
-        workers = []
-        try:
-            for f in futures:
-                workers.append(f.result())
-        except Exception:
-            for f in futures:
-                if f.exception() is None:
-                    f.result().stop()
-            raise
+    workers = start_servers(WORKER_ARGS, WORKER_ARGS)
     try:
         gateway = Gateway([w.url for w in workers], *GATEWAY_ARGS)
     except Exception:

@@ -20,7 +20,7 @@ import requests
 
 from sfi_sglang.texts import long_text
 
-from conftest import Server, chat_prompt
+from conftest import chat_prompt, start_servers
 
 # --max-total-tokens bounds each rank's KV pool; the CPU engine sizes it from the host's free
 # memory before and after its weights load, which the other rank (or server) starting at the
@@ -33,19 +33,7 @@ OFTEN = {"custom_params": {"sfi": {"min_gap": 2, "cooldown": 1, "max_interval": 
 
 @pytest.fixture(scope="module")
 def servers():
-    with ThreadPoolExecutor(2) as pool:  # both start at once (each ~1 min on 2 cores)
-        futures = [pool.submit(Server, "--tp-size", "2", *COMMON),
-                   pool.submit(Server, "--dp-size", "2", *COMMON)]
-        started = []
-        try:
-            for f in futures:
-                started.append(f.result())
-        except Exception:
-            for f in futures:
-                if f.exception() is None:
-                    f.result().stop()
-            raise
-    tp2, dp2 = started
+    tp2, dp2 = start_servers(("--tp-size", "2", *COMMON), ("--dp-size", "2", *COMMON))
     yield tp2, dp2
     tp2.stop()
     dp2.stop()
