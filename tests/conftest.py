@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -20,9 +21,43 @@ GREEDY = {"temperature": 0.0}
 API_KEY, ADMIN_KEY = "secret", "admin"
 API = {"Authorization": f"Bearer {API_KEY}"}
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
-# SGLang's CPU engine sizes its KV pool as a fraction of the machine's memory (0.3 by default,
-# ~7 GB here); test servers take less, since the shared server lives beside other modules' ones.
-TEST_MEM_FRACTION = "0.08"
+# Every test server and Engine runs with these SGLang options:
+# - its KV pool takes 8% of the machine's memory: SGLang's CPU engine takes 30% by default
+#   (~7 GB here), and the shared server lives beside other modules' servers;
+# - --sleep-on-idle: without it an idle SGLang scheduler polls its sockets in a busy loop, a
+#   whole core each, and on CI's 2 cores the shared server (alive the whole session) halves
+#   the speed of every other module; with it the scheduler blocks in zmq's poll until a
+#   request comes.
+TEST_ENGINE_ARGS = {"mem_fraction_static": 0.08, "sleep_on_idle": True}
+
+
+# test_kernels.py and test_memory.py set TRITON_INTERPRET=1 in this process when they are
+# collected, so that their kernels run in Triton's interpreter on the CPU. The servers,
+# engines and CLI runs the tests start must run as a user's CPU engine does (the torch path):
+# they inherited the variable, ran SFI's Triton kernels interpreted on every layer, and a
+# 1,500-token prefill took 70 s instead of 2.5 s.
+def product_env() -> dict[str, str]:
+    """This process's environment without TRITON_INTERPRET: for the product's subprocesses."""
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+@contextlib.contextmanager
+def product_environ():
+    """os.environ without TRITON_INTERPRET while an in-process Engine spawns its scheduler."""
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def start_engine(**kwargs):
+    """sfi_sglang.Engine(**kwargs) with TEST_ENGINE_ARGS, its processes on the torch path."""
+    import sfi_sglang
+
+    with product_environ():
+        return sfi_sglang.Engine(**{**TEST_ENGINE_ARGS, **kwargs})
 
 
 def sfi_cli() -> str:
@@ -51,7 +86,8 @@ class Service:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"{log_name}-{self.port}.log", "w+")
         self.proc = subprocess.Popen([str(self.port) if a == "{port}" else a for a in cmd],
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=product_env())
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -86,7 +122,8 @@ class Server(Service):
 
     def __init__(self, *args: str, timeout: float = 600):
         if "--mem-fraction-static" not in args and "--max-total-tokens" not in args:
-            args = (*args, "--mem-fraction-static", TEST_MEM_FRACTION)
+            args = (*args, "--mem-fraction-static", str(TEST_ENGINE_ARGS["mem_fraction_static"]))
+        args = (*args, "--sleep-on-idle")
         super().__init__([sfi_cli(), "serve", "--host", "127.0.0.1", "--port", "{port}", *args],
                          lambda url: requests.get(url + "/health_generate", timeout=30).status_code == 200,
                          timeout, "sfi-serve")
@@ -125,8 +162,12 @@ def tokenizer(model_path):
 @pytest.fixture(scope="session")
 def shared_server():
     """One `sfi-sglang serve` for the modules that need nothing else (test_server,
-    test_boundaries_zmq): budget 256, window 64, the grammar backend sfi-xgrammar, SGLang's
-    API keys. A module that changes the server-wide boundary table sets it back."""
+    test_server_boundaries): budget 256, window 64, the grammar backend sfi-xgrammar, SGLang's
+    API keys. A module that changes the server-wide boundary table sets it back. The two
+    modules' names sort next to each other, so that pytest runs them one after the other and
+    the server does not idle beside the other modules' servers: it once died unseen (its log
+    just stops) while test_parallel's tp=2 and dp=2 servers ran, about 22 of this machine's
+    24 GB together, and every test of test_server failed."""
     srv = Server("--sfi-budget", "256", "--sfi-window", "64", "--grammar-backend", "sfi-xgrammar",
                  "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY)
     yield srv

@@ -4,7 +4,7 @@ import re
 import subprocess
 import sys
 
-from conftest import REPO, sfi_cli
+from conftest import REPO, product_env, sfi_cli
 
 from sfi_sglang.quiet import HARMLESS_LOGS, HARMLESS_WARNINGS
 
@@ -13,7 +13,8 @@ def test_generate_prints_an_answer():
     """README command 1's job: the answer and SFI's summary, none of the named harmless
     warnings (SGLang issues each of them in the launcher, scheduler and detokenizer)."""
     out = subprocess.run([sfi_cli(), "generate", "--prompt", "What is the capital of France?",
-                          "--max-new-tokens", "16"], capture_output=True, text=True, timeout=900)
+                          "--max-new-tokens", "16"], capture_output=True, text=True, timeout=900,
+                         env=product_env())
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Paris" in out.stdout
     assert "fast_steps" in out.stderr  # the [sfi] summary line
@@ -75,6 +76,6 @@ def test_help_and_bad_usage():
 
 def test_example_batch_offline():
     out = subprocess.run([sys.executable, str(REPO / "examples" / "batch_offline.py")],
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True, timeout=900, env=product_env())
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("Q: ") == 3 and "fast /" in out.stdout

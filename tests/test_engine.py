@@ -11,12 +11,11 @@ import os
 import pytest
 import torch
 
-import sfi_sglang
 from sfi_sglang.boundary import TriggerPolicy
 from sfi_sglang.config import SFIConfig
 from sfi_sglang.texts import long_text
 
-from conftest import GREEDY, chat_prompt
+from conftest import GREEDY, chat_prompt, start_engine
 
 SFI = dict(sfi_sinks=4, sfi_window=64, sfi_budget=256)
 CFG = SFIConfig(sinks=4, window=64, budget=256)
@@ -43,7 +42,7 @@ def _ids(outs):
 
 @pytest.fixture(scope="module")
 def dense(prompts):
-    engine = sfi_sglang.Engine(disable_sfi=True)
+    engine = start_engine(disable_sfi=True)
     try:
         refs = {
             "fit_batch": _ids(engine.generate(prompts["fit"], {**GREEDY, "max_new_tokens": FIT_NEW})),
@@ -73,7 +72,7 @@ def engine(dense, trace_file):
     # there crashes the scheduler, and the tests below fail
     os.environ.update({"SFI_SGLANG_PLUGIN_TRACE": str(trace_file), SYNC_GUARD_ENV: "1"})
     try:
-        engine = sfi_sglang.Engine(**SFI)
+        engine = start_engine(**SFI)
     finally:
         del os.environ["SFI_SGLANG_PLUGIN_TRACE"], os.environ[SYNC_GUARD_ENV]
     yield engine

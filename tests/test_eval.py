@@ -6,7 +6,7 @@ import math
 import subprocess
 
 import pytest
-from conftest import sfi_cli
+from conftest import product_env, sfi_cli
 
 from sfi_sglang.texts import essays
 
@@ -23,7 +23,8 @@ def test_eval_quality_smoke(tmp_path):
                         "--ablation-retention", "0.25", "--methods", "sfi,streaming", "--texts", "2",
                         "--text-file", str(doc), "--builtin-texts", "licenses",
                         "--steps", "6", "--passkey-contexts", "", "--mem-fraction-static", "0.08",
-                        "--out", str(out)], capture_output=True, text=True, timeout=1200)
+                        "--out", str(out)], capture_output=True, text=True, timeout=1200,
+                       env=product_env())
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())
     tf = [row for row in result["rows"] if row["kind"] == "teacher_forced"]

@@ -234,6 +234,7 @@ def test_metrics_follow_the_requests(server, tokenizer):
     interval = generate(server, greedy(30, custom_params={"sfi": {"refresh": "interval", "max_interval": 8, "min_gap": 4}}, ignore_eos=True),
                         text="Tell me a story about a cat.")
     dense = generate(server, greedy(6, **DENSE), text="Hello")
+    assert not dense["meta_info"]["sfi"]["enabled"]
     after = scrape(server)
     d = lambda name, **labels: metric(after, name, **labels) - metric(before, name, **labels)
     sfi = [o["meta_info"]["sfi"] for o in (first, again, interval)]

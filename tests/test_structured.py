@@ -1,6 +1,6 @@
 """Structured generation with SFI through llguidance (grammar backend `sfi-llguidance`)
 on sfi_sglang.Engine, and the Engine methods for run-time boundary updates. (xgrammar,
-the HTTP endpoint and the ZMQ plumbing: test_boundaries_zmq.py.)"""
+the HTTP endpoint and the ZMQ plumbing: test_server_boundaries.py.)"""
 
 from __future__ import annotations
 
@@ -10,19 +10,17 @@ import re
 import jsonschema
 import pytest
 
-import sfi_sglang
 from sfi_sglang.boundary import boundary_tables
 from sfi_sglang.grammar import JsonTracker, token_texts
 from sfi_sglang.texts import long_text
 
-from conftest import chat_prompt
-from test_boundaries_zmq import EAGER, SCHEMAS, expected_slow
+from conftest import chat_prompt, start_engine
+from test_server_boundaries import EAGER, SCHEMAS, expected_slow
 
 
 @pytest.fixture(scope="module")
 def engine():
-    engine = sfi_sglang.Engine(sfi_budget=256, sfi_window=64, grammar_backend="sfi-llguidance",
-                               mem_fraction_static=0.08)
+    engine = start_engine(sfi_budget=256, sfi_window=64, grammar_backend="sfi-llguidance")
     yield engine
     engine.shutdown()
 
