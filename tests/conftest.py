@@ -25,17 +25,16 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 # - its KV pool takes 8% of the machine's memory: SGLang's CPU engine takes 30% by default
 #   (~7 GB here), and the shared server lives beside other modules' servers;
 # - --sleep-on-idle: without it an idle SGLang scheduler polls its sockets in a busy loop, a
-#   whole core each, and on CI's 2 cores the shared server (alive the whole session) halves
-#   the speed of every other module; with it the scheduler blocks in zmq's poll until a
-#   request comes.
+#   whole core each, and on CI's 2 cores the shared server took one of them from every
+#   module after it; with it the scheduler blocks in zmq's poll until a request comes.
 TEST_ENGINE_ARGS = {"mem_fraction_static": 0.08, "sleep_on_idle": True}
 
 
 # test_kernels.py and test_memory.py set TRITON_INTERPRET=1 in this process when they are
 # collected, so that their kernels run in Triton's interpreter on the CPU. The servers,
 # engines and CLI runs the tests start must run as a user's CPU engine does (the torch path):
-# they inherited the variable, ran SFI's Triton kernels interpreted on every layer, and a
-# 1,500-token prefill took 70 s instead of 2.5 s.
+# they inherited the variable and ran SFI's Triton kernels interpreted on every layer (a
+# 1,500-token prefill: 60-80 s in CI's server logs, 2.5 s without the variable).
 def product_env() -> dict[str, str]:
     """This process's environment without TRITON_INTERPRET: for the product's subprocesses."""
     return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
