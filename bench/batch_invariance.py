@@ -4,7 +4,7 @@ output for garbage (private-use or replacement characters).
 
     python bench/batch_invariance.py [--source essays|licences] [--n 8] [--prompt-tokens 1000]
         [--max-new-tokens 120] [--ignore-eos] [--budget 128] [--window 64] [--disable-sfi]
-        [--deterministic] [--alone K] [--mem-fraction-static 0.15]
+        [--deterministic] [--alone K] [--mem-fraction-static 0.15] [--max-total-tokens N]
 
 Prints a GEMM line (a row's product against its batch's row count, the CPU's cause), one
 JSON line per prompt, then ALL_EQUAL and GARBAGE lines. Sources: Paul Graham's
@@ -69,6 +69,8 @@ def main():
     ap.add_argument("--deterministic", action="store_true", help="--enable-deterministic-inference")
     ap.add_argument("--alone", type=int, default=None, help="compare only the first K alone")
     ap.add_argument("--mem-fraction-static", type=float, default=0.15)
+    ap.add_argument("--max-total-tokens", type=int, default=None,
+                    help="SGLang's KV pool size in tokens: small values force decode retractions")
     a = ap.parse_args()
     print("GEMM", json.dumps(gemm_rows()), flush=True)
 
@@ -79,7 +81,8 @@ def main():
     ps = prompts(tok, a.source, a.n, a.prompt_tokens)
     eng = sfi_sglang.Engine(sfi_budget=a.budget, sfi_window=a.window, disable_sfi=a.disable_sfi,
                             enable_deterministic_inference=a.deterministic,
-                            mem_fraction_static=a.mem_fraction_static, log_level="error")
+                            mem_fraction_static=a.mem_fraction_static, log_level="error",
+                            **({"max_total_tokens": a.max_total_tokens} if a.max_total_tokens else {}))
     sp = {"temperature": 0.0, "max_new_tokens": a.max_new_tokens, "ignore_eos": a.ignore_eos}
     eng.flush_cache()
     batch = eng.generate(input_ids=ps, sampling_params=[sp] * len(ps))

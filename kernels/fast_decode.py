@@ -19,12 +19,16 @@ Index conventions:
   packed_len  [max_reqs] valid packed entries, indexed by pool slot (like packed_k)
 """
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from ._common import (LOG2E, _online_update, _write_result, choose_num_splits, next_pow2,
                       split_partials, splitk_reduce, use_triton)
+
+LN2 = tl.constexpr(math.log(2.0))
 
 # Defaults from the H200 sweep (bench/NOTES.md, bench/results/kernels_h200_tune.json):
 # BLOCK_N 64, 3 pipeline stages, 4 warps, split-K merged in-launch, and as many splits as
@@ -41,7 +45,7 @@ MAX_SPLITS_DEFAULT = 16
 def _fast_decode_kernel(
     Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Win_start,
     Packed_k, Packed_v, Packed_len, qk_scale_log2,
-    Out, Mid_o, Mid_lse, Counters,
+    Out, Mid_o, Mid_lse, Counters, Lse,
     stride_qb, stride_qh,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     stride_rt,
@@ -50,6 +54,7 @@ def _fast_decode_kernel(
     stride_ob, stride_oh,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -109,6 +114,10 @@ def _fast_decode_kernel(
 
     _write_result(Out, Mid_o, Mid_lse, b, s, hq, mask_g, offs_d, mask_d, m_i, l_i, acc,
                   stride_ob, stride_oh, n_kv * G, num_splits, D)
+    if WRITE_LSE:
+        if num_splits == 1:  # natural-log LSE of the whole memory, [B, H_q] contiguous
+            lse1 = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * LN2, float("-inf"))
+            tl.store(Lse + b * n_kv * G + hq, lse1, mask=mask_g)
     if FUSED_REDUCE:
         if num_splits > 1:
             # Split-K merge without a second launch: the last split of this (request, KV
@@ -139,6 +148,10 @@ def _fast_decode_kernel(
                 res = acc_r / tl.where(l_r > 0, l_r, 1.0)[:, None]
                 tl.store(Out + b * stride_ob + hq[:, None] * stride_oh + offs_d[None, :],
                          res.to(Out.dtype.element_ty), mask=mask)
+                if WRITE_LSE:
+                    lse_r = tl.where(l_r > 0, (m_r + tl.log2(tl.where(l_r > 0, l_r, 1.0))) * LN2,
+                                     float("-inf"))
+                    tl.store(Lse + b * n_kv * G + hq, lse_r, mask=mask_g)
                 tl.atomic_xchg(Counters + b * n_kv + h, 0, sem="relaxed", scope="gpu")
 
 
@@ -157,7 +170,7 @@ def _counters(device, n):
 def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, win_start,
                 packed_k, packed_v, packed_len, sm_scale, out=None, num_splits=None,
                 max_window=None, block_n=None, num_warps=None, num_stages=None,
-                fused_reduce=None, counters=None):
+                fused_reduce=None, counters=None, lse_out=None):
     """SFI fast-step attention. q [B,H_q,D]; k_cache/v_cache [slots,H_kv,D];
     packed_k/packed_v [max_reqs,H_kv,P,D]. Returns out [B,H_q,D] (q.dtype).
 
@@ -167,6 +180,8 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
     fused_reduce: merge the splits inside the same launch (last split per (request, KV
     head) reduces, using a self-resetting int32 counter per (request, KV head) from
     `counters`, default a per-device buffer: pass your own for concurrent streams).
+    lse_out [B, H_q] float32, optional: each q head's log-sum-exp (natural log) of its logits
+    over the memory, -inf where it is empty (the adaptive refresh trigger reads it).
     """
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
@@ -179,7 +194,8 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
     if not use_triton(q):
         from .reference import ref_fast_decode
         return ref_fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                               win_start, packed_k, packed_v, packed_len, sm_scale, out=out)
+                               win_start, packed_k, packed_v, packed_len, sm_scale, out=out,
+                               lse_out=lse_out)
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
     assert packed_k.stride(3) == 1 and packed_v.stride(3) == 1 and out.stride(2) == 1
     P = packed_k.shape[2]
@@ -209,7 +225,7 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
     _fast_decode_kernel[grid](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, win_start,
         packed_k, packed_v, packed_len, float(sm_scale) * LOG2E,
-        out, mid_o, mid_lse, counters,
+        out, mid_o, mid_lse, counters, lse_out if lse_out is not None else mid_lse,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0),
@@ -217,8 +233,11 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
         packed_v.stride(0), packed_v.stride(1), packed_v.stride(2),
         out.stride(0), out.stride(1),
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, IEEE=ieee, FUSED_REDUCE=fused,
+        WRITE_LSE=lse_out is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and not fused:
         splitk_reduce(mid_o, mid_lse, out, MAX_SPLITS_DEFAULT)
+        if lse_out is not None:  # the partials' LSEs are base 2
+            lse_out.copy_(torch.logsumexp(mid_lse * math.log(2.0), -1))
     return out

@@ -30,8 +30,9 @@ def _finish(result, out):
 
 def ref_fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, win_start,
                     packed_k, packed_v, packed_len, sm_scale, out=None,
-                    compute_dtype=torch.float64, **_ignored):
-    """Attention of q over packed[pool, h, :packed_len[pool]] + window [win_start, seq_len)."""
+                    compute_dtype=torch.float64, lse_out=None, **_ignored):
+    """Attention of q over packed[pool, h, :packed_len[pool]] + window [win_start, seq_len);
+    lse_out [B, H_q]: each head's log-sum-exp of its logits (-inf for an empty memory)."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
@@ -48,7 +49,9 @@ def ref_fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_len
         slots = req_to_token[pool, w0:w1].long()
         keys = torch.cat([packed_k[pool, :, :lp].to(cd), k_cache[slots].to(cd).transpose(0, 1)], 1)
         vals = torch.cat([packed_v[pool, :, :lp].to(cd), v_cache[slots].to(cd).transpose(0, 1)], 1)
-        res[b], _ = _attend(q[b].to(cd), keys, vals, sm_scale, G)
+        res[b], logits = _attend(q[b].to(cd), keys, vals, sm_scale, G)
+        if lse_out is not None:
+            lse_out[b] = torch.logsumexp(logits, -1).to(lse_out.dtype)
     return _finish(res, out)
 
 

@@ -136,6 +136,11 @@ class SFIAttnBackend(AttentionBackend):
         self.requests: dict[int, Request] = {}  # slot -> its request
         self.by_rid: dict[str, tuple[int, Request]] = {}  # for meta_info, read by sfi_sglang.hooks
         self._cfg_cache: dict[str, tuple[bool, SFIConfig]] = {}
+        # Requests SGLang retracted (decode out of KV memory: their KV is freed and recomputed
+        # by a later prefill): (rid, slot, record) until the next forward saves their history,
+        # then rid -> (record, history) until they resume or finish (see suspend)
+        self._retracted: list[tuple[str, int, Request]] = []
+        self.suspended: dict[str, tuple[Request, dict]] = {}
         # ||k|| per layer, KV slot and KV head, written with K: a request reusing a cached
         # prefix reuses its norms (the Selector's prior reads them). One tensor per layer,
         # like SGLang's K and V buffers: each starts 16-byte aligned, so every layer
@@ -151,6 +156,19 @@ class SFIAttnBackend(AttentionBackend):
         mc = model_runner.model_config
         tp = getattr(getattr(model_runner, "server_args", None), "tp_size", 1) or 1
         self.num_q_heads = max(1, mc.num_attention_heads // tp)
+        # refresh "adaptive": the fast step's log-sum-exps of a few middle sparse layers
+        # [layers, rows, H_q], written by the fast kernel and read once per step by the
+        # trigger (TriggerPolicy.observe); a buffer made once (graphs write into it)
+        self._lse_layers = self._monitored_layers() if self.cfg.refresh == "adaptive" else []
+        self._lse_index = {lid: i for i, lid in enumerate(self._lse_layers)}
+        self._lse: Optional[torch.Tensor] = None
+        if self._lse_layers:
+            if tp > 1:
+                raise SFIConfigError("--sfi-refresh adaptive needs --tp-size 1 (each rank holds only "
+                                     "its heads and would decide its refreshes alone)")
+            self.policy.monitor(len(self._lse_layers), self.num_q_heads)
+            self._lse = torch.full((len(self._lse_layers), max_slots, self.num_q_heads), float("-inf"),
+                                   dtype=torch.float32, device=k0.device)
         # Slow steps' logits [rows, H_q, N], N = req_to_token's width (the longest context):
         # made once for the CUDA graphs' batch (init_cuda_graph_state), else per batch size.
         self._scores: Optional[torch.Tensor] = None  # eager steps
@@ -190,6 +208,24 @@ class SFIAttnBackend(AttentionBackend):
         logger.info("SFI backend: %s, dense backend %s, sparse memory %.1f MB (%s path)", self.cfg,
                     type(dense_backend).__name__, self.memory.bytes() / 2**20,
                     "kernel" if self.memory.packed else "torch reference")
+
+    def _monitored_layers(self) -> list[int]:
+        """The layers the adaptive trigger reads: the sparse layers at 1/4, 1/2 and 3/4 of
+        the server's sparse layers (middle layers: the first attend broadly, the last
+        follow the output)."""
+        sparse = [lid for lid in range(self.num_layers) if lid not in self.cfg.dense_layers]
+        return sorted({sparse[len(sparse) * k // 4] for k in (1, 2, 3)}) if sparse else []
+
+    def _lse_rows(self, rows: int) -> torch.Tensor:
+        """The log-sum-exp buffer's first `rows` rows [layers, rows, H_q]; grown outside a
+        capture when an eager step has more rows than request slots."""
+        if self._lse.shape[1] < rows:
+            if self.memory.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"SFI: a CUDA graph of {rows} rows was captured beyond the "
+                                   f"{self._lse.shape[1]} rows of the adaptive trigger's buffer")
+            self._lse = torch.full((self._lse.shape[0], rows, self._lse.shape[2]), float("-inf"),
+                                   dtype=torch.float32, device=self._lse.device)
+        return self._lse[:, :rows]
 
     @staticmethod
     def kv_budget(available: int, num_layers: int, num_kv_heads: int, head_dim: int, cfg: SFIConfig,
@@ -231,7 +267,8 @@ class SFIAttnBackend(AttentionBackend):
         hkv, d, dev, dtype = k_cache.shape[1], k_cache.shape[2], k_cache.device, k_cache.dtype
         layers = [SimpleNamespace(layer_id=i, tp_q_head_num=num_q_heads, tp_k_head_num=hkv,
                                   qk_head_dim=d, v_head_dim=d, scaling=d ** -0.5)
-                  for i in sorted({sparse[0], sparse[-1]})]  # the last one runs the batched Selector
+                  # the last one runs the batched Selector; the adaptive trigger's write their LSE
+                  for i in sorted({sparse[0], sparse[-1], *self._lse_layers})]
         layer = layers[0]
         width = self.req_to_token_pool.req_to_token.shape[1]
         long = cfg.sinks + cfg.window + cfg.budget + 32
@@ -316,10 +353,48 @@ class SFIAttnBackend(AttentionBackend):
         if not device_sfi:  # a dense row on the device path: the fast kernel reads nothing
             self.memory.fast_ws[slot] = NO_WINDOW
 
+    def suspend(self, rid: str, slot: int) -> None:
+        """SGLang retracted the request in `slot` (sfi_sglang.radix: released unfinished). Its
+        KV is recomputed by a later prefill, a dense pass over its whole context, so its
+        sparse memory cannot survive; its record and decision history (step count, slow
+        steps, fast/slow counts) do, and continue when it resumes (_start_requests). Saved
+        at the next forward, on the forward stream, before the slot is reused."""
+        req = self.requests.get(slot)
+        if req is not None and req.rid == rid:
+            self._retracted.append((rid, slot, req))
+
+    def _fired(self, slot: int) -> int:
+        """Slow steps the adaptive trigger caused in the slot's request (host sync)."""
+        return int(self.policy.fired[slot]) if self.policy.fired is not None else 0
+
+    def _save_retracted(self) -> None:
+        for rid, slot, req in self._retracted:
+            self.suspended[rid] = (req, {**self.step.history(slot), "counts": self.memory.counts[slot].clone(),
+                                         "fired": self._fired(slot)})
+        self._retracted.clear()
+
+    def _resume(self, slot: int, old: Request, history: dict) -> Request:
+        """A retracted request's re-prefill: a new record (its selection is made afresh:
+        bootstrap or a shared prefix's memory) that keeps the old one's counters, and its
+        decision history, where the re-prefill counts as the decode step it replaces, a
+        slow one (dense attention over the whole context, then a new selection)."""
+        req = Request(cfg=old.cfg, enabled=old.enabled, rid=old.rid,
+                      bootstrap_computed=old.bootstrap_computed, bootstrap_reused=old.bootstrap_reused,
+                      retracted_at=(*old.retracted_at, int(history["steps"]) + 1))
+        self._start_slot(slot, req)
+        counts = history.pop("counts")
+        if self.policy.fired is not None:
+            self.policy.fired[slot] = history.pop("fired")
+        slow = req.enabled and req.refreshes
+        self.step.resume(slot, history, slow)
+        self.memory.counts[slot] = counts + torch.tensor([0, int(slow)], dtype=counts.dtype,
+                                                         device=counts.device)
+        return req
+
     def _start_requests(self, forward_batch):
-        """A request's first extend makes its record (a prompt's next chunk keeps it); its
-        bootstrap selection follows in forward_extend unless a shared prefix's memory is
-        imported here."""
+        """A request's first extend makes its record (a prompt's next chunk keeps it; a
+        retracted request's re-prefill resumes its old one); its bootstrap selection
+        follows in forward_extend unless a shared prefix's memory is imported here."""
         if self._resets:
             self.memory.reset(self._resets)
             self._resets.clear()
@@ -331,9 +406,13 @@ class SFIAttnBackend(AttentionBackend):
             old = self.requests.get(slot)
             if old is not None and old.rid == rid and rid is not None:
                 continue
-            enabled, cfg = self._slot_config(REQUEST_PARAMS.get(rid))
-            req = Request(cfg=cfg, enabled=enabled, rid=rid)
-            self._start_slot(slot, req)
+            suspended = self.suspended.pop(rid, None) if rid is not None else None
+            if suspended is not None:
+                req = self._resume(slot, *suspended)
+            else:
+                enabled, cfg = self._slot_config(REQUEST_PARAMS.get(rid))
+                req = Request(cfg=cfg, enabled=enabled, rid=rid)
+                self._start_slot(slot, req)
             if rid is not None:
                 self.by_rid[rid] = (slot, req)
             if req.enabled and req.refreshes:
@@ -354,7 +433,7 @@ class SFIAttnBackend(AttentionBackend):
                             lambda lid: (pool.get_key_buffer(lid), pool.get_value_buffer(lid)),
                             self.req_to_token_pool.req_to_token,
                             [l for l in range(self.num_layers) if l not in req.cfg.dense_layers])
-        req.bootstrap = True
+        req.bootstrap = req.imported = True
         self.step.has_sel[slot] = True
         req.bootstrap_reused += 1
 
@@ -404,6 +483,8 @@ class SFIAttnBackend(AttentionBackend):
         only in eager steps, by their rids) and per-request boundaries; an extend's new
         requests."""
         self.join_maintenance()
+        if self._retracted:
+            self._save_retracted()
         mode = forward_batch.forward_mode
         self._host_rows = []
         self._fi_plan = None
@@ -513,7 +594,19 @@ class SFIAttnBackend(AttentionBackend):
             o = self._decode_device(q, lid, rows, forward_batch, layer)
         if self._host_rows:
             self._host_decode(lid, o, q.reshape(o.shape), *self._kv(lid), forward_batch, layer.scaling)
+        if self._lse_layers and lid == self._lse_layers[-1]:
+            self._observe(rows, forward_batch.req_pool_indices, o.shape[0])
         return o.reshape(o.shape[0], -1)
+
+    def _observe(self, rows, slots, b: int) -> None:
+        """The adaptive trigger's verdict for each row's next step, from this step's
+        log-sum-exps of the monitored layers (their fast passes, device and host rows)."""
+        fast = rows.on & ~rows.slow
+        if self._host_rows:  # eager steps only
+            fast = fast.clone()
+            for i, _, req in self._host_rows:
+                fast[i] = req.enabled and req.cfg.method == "sfi" and not getattr(req, "_slow", True)
+        self.policy.observe(slots, self._lse_rows(b), fast)
 
     def _kv(self, lid):
         pool = self.token_to_kv_pool
@@ -532,8 +625,11 @@ class SFIAttnBackend(AttentionBackend):
                 self._fi_plan = mem.plan_fast("step", slots, seq_lens,
                                               layer.tp_q_head_num // layer.tp_k_head_num, scale)
             fast_plan = self._fi_plan
+        k = self._lse_index.get(lid)
+        lse = None if k is None else self._lse_rows(q.shape[0])
         o = mem.attend_fast(lid, q, kc, vc, r2t, slots, seq_lens, scale, max_len=self._ref_len,
-                            fast_plan=fast_plan, win_start=self._fast_ws)
+                            fast_plan=fast_plan, win_start=self._fast_ws,
+                            lse_out=None if lse is None else lse[k])
         need, slow_rows = rows.need_l[lid], rows.slow_l[lid]
         batched = self._step_scores
 
@@ -577,7 +673,10 @@ class SFIAttnBackend(AttentionBackend):
                 continue
             slow = self._host_slow(slot, req)
             if not slow:
-                o[i] = mem.attend_fast(lid, q[i:i + 1], kc, vc, r2t, rpi, forward_batch.seq_lens[i:i + 1], scale)[0]
+                k = self._lse_index.get(lid)
+                lse = None if k is None else self._lse_rows(i + 1)[k, i:i + 1]
+                o[i] = mem.attend_fast(lid, q[i:i + 1], kc, vc, r2t, rpi, forward_batch.seq_lens[i:i + 1], scale,
+                                       lse_out=lse)[0]
                 continue
             _, scores = mem.attend_slow(lid, q[i:i + 1], kc, vc, r2t, rpi, forward_batch.seq_lens[i:i + 1],
                                         scale, max_len=n)
@@ -624,7 +723,7 @@ class SFIAttnBackend(AttentionBackend):
             req = self.requests.get(slot)
             if req is None or not req.enabled or not req.refreshes or lid in req.cfg.dense_layers:
                 continue
-            if req.bootstrap_reused:  # started from a shared prefix's memory
+            if req.imported:  # started from a shared prefix's memory
                 continue
             cfg = req.cfg
             rows = min(cfg.bootstrap_rows, lens[i])
@@ -777,6 +876,7 @@ class SFIAttnBackend(AttentionBackend):
         """What meta_info["sfi"] reports for a request (host sync: when its output is sent)."""
         if finished:
             REQUEST_PARAMS.pop(rid, None)
+            self.suspended.pop(rid, None)  # retracted, then aborted before it resumed
         entry = self.by_rid.pop(rid, None) if finished else self.by_rid.get(rid)
         if entry is None:
             return None
@@ -788,6 +888,8 @@ class SFIAttnBackend(AttentionBackend):
             # its last output; the slot's next request makes a new record
             del self.requests[slot]
         stats = req.stats(fast, slow, slow_at)
+        if self.policy.fired is not None:
+            stats["adaptive_slow_steps"] = self._fired(slot)
         if finished:  # this rank's decision log (sfi_sglang.parallel: TP ranks compared)
             from sfi_sglang import parallel
 

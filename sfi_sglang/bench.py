@@ -608,7 +608,8 @@ def throughput(args) -> dict:
     shape = SHAPES[args.shape]
     cfg = SFIConfig(budget=args.sfi_budget, window=args.sfi_window, sinks=args.sfi_sinks,
                     dense_layers=tuple(int(x) for x in args.sfi_dense_layers.split(",") if x != ""),
-                    refresh="interval", max_interval=args.slow_every, fast_path=args.sfi_fast_path,
+                    refresh=args.sfi_refresh, adaptive_threshold=args.sfi_adaptive_threshold,
+                    max_interval=args.slow_every, fast_path=args.sfi_fast_path,
                     min_gap=min(SFIConfig.min_gap, args.slow_every))
     if args.layers:
         shape = dict(shape, layers=args.layers)
@@ -726,6 +727,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=96, help="timed decode steps per run")
     p.add_argument("--reps", type=int, default=20, help="repetitions of each timed part")
     p.add_argument("--slow-every", type=int, default=24, help="SFI refresh interval (steps)")
+    p.add_argument("--sfi-refresh", choices=("interval", "adaptive"), default="interval",
+                   help="adaptive: the harness has no boundary tokens, so slow steps still come every "
+                        "--slow-every steps, plus the trigger's (none at the default threshold): what "
+                        "the trigger's signal costs a step")
+    p.add_argument("--sfi-adaptive-threshold", type=float, default=1e30)
     p.add_argument("--sfi-budget", type=int, default=2048)
     p.add_argument("--sfi-window", type=int, default=256)
     p.add_argument("--sfi-sinks", type=int, default=4)

@@ -141,6 +141,11 @@ class TriggerPolicy:
         refresh pending; a boundary input at the slow step itself is consumed.
       * after a slow step: distance 0, pending cleared.
     Mode "interval": slow iff d >= max_interval (or force): every max_interval steps.
+    Mode "adaptive": "boundary", and also slow when the sparse memory stopped covering the
+    query (`observe`): the fast step's log-sum-exp over the memory, mean over the q heads
+    of the monitored layers, fell more than adaptive_threshold nats below its value at the
+    first fast step after the last refresh (the reference). A query that turns to tokens
+    the memory lacks finds lower logits in it. Decided at the step before, on the device.
 
     min_gap, cooldown, max_interval and the mode are per-slot tensors set by
     reset(slots, cfg), so per-request config overrides work; the boundary tables
@@ -162,6 +167,10 @@ class TriggerPolicy:
         self.max_interval = torch.full((max_slots,), cfg.max_interval, **i32)
         self.interval_mode = torch.full((max_slots,), cfg.refresh == "interval",
                                         dtype=torch.bool, device=device)
+        # adaptive mode (made by `monitor`): threshold per slot (inf: off), the reference
+        # log-sum-exp [slots, layers, H_q] and whether it is taken, the next step's verdict,
+        # and the slow steps it caused (meta_info)
+        self.threshold = self.lse_ref = self.ref_ok = self.drift = self.fired = None
 
     @classmethod
     def from_tokenizer(cls, tokenizer, cfg: SFIConfig, max_slots: int,
@@ -180,6 +189,34 @@ class TriggerPolicy:
         self.cooldown[slots] = cfg.cooldown
         self.max_interval[slots] = cfg.max_interval
         self.interval_mode[slots] = cfg.refresh == "interval"
+        if self.threshold is not None:
+            self.threshold[slots] = cfg.adaptive_threshold if cfg.refresh == "adaptive" else float("inf")
+            self.ref_ok[slots] = False
+            self.drift[slots] = False
+            self.fired[slots] = 0
+
+    def monitor(self, num_layers: int, num_q_heads: int) -> None:
+        """Adaptive mode's state, for `observe` of num_layers layers of num_q_heads heads."""
+        n, dev = self.since.shape[0], self.since.device
+        self.threshold = torch.where(torch.full((n,), self.cfg.refresh == "adaptive", device=dev),
+                                     self.cfg.adaptive_threshold, float("inf")).to(torch.float32)
+        self.lse_ref = torch.zeros(n, num_layers, num_q_heads, dtype=torch.float32, device=dev)
+        self.ref_ok = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.drift = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.fired = torch.zeros(n, dtype=torch.int32, device=dev)
+
+    def observe(self, slots: torch.Tensor, lse: torch.Tensor, fast: torch.Tensor) -> None:
+        """A decode step's fast log-sum-exps lse [layers, B, H_q] (natural log) of the rows
+        in `slots` [B]; fast [B] bool: the rows that ran a fast step. Sets the verdict that
+        the next step of each slot reads (`step`); a row that was not fast drops its
+        reference (it refreshed: the next fast step takes a new one). No host sync."""
+        slots = slots.to(torch.int64)
+        cur = lse.transpose(0, 1)  # [B, layers, H_q]
+        ref, ok = self.lse_ref[slots], self.ref_ok[slots]
+        drop = (ref - cur).mean((1, 2))
+        self.drift[slots] = fast & ok & (drop > self.threshold[slots])
+        self.lse_ref[slots] = torch.where((fast & ~ok)[:, None, None], cur, ref)
+        self.ref_ok[slots] = fast
 
     def step(self, last_token_ids: torch.Tensor, slots: torch.Tensor,
              force: torch.Tensor | None = None) -> torch.Tensor:
@@ -198,6 +235,10 @@ class TriggerPolicy:
         forced = d >= self.max_interval[slots]
         due = pending & is_c & (d >= self.min_gap[slots]) & ~self.interval_mode[slots]
         slow = due | forced
+        if self.drift is not None:
+            drift = self.drift[slots] & ~slow & ~self.interval_mode[slots]
+            self.fired[slots] = self.fired[slots] + drift.to(torch.int32)
+            slow = slow | drift
         if force is not None:
             slow = slow | force.to(torch.bool)
 

@@ -45,6 +45,7 @@ def parse_layers(text: str) -> tuple[int, ...]:
 
 
 FAST_PATHS = ("triton", "flashinfer")
+REFRESH_MODES = ("boundary", "interval", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,11 @@ class SFIConfig:
     min_gap: int = 16
     cooldown: int = 2
     max_interval: int = 96
-    refresh: str = "boundary"            # "boundary" | "interval" (ablation)
+    refresh: str = "boundary"            # "boundary" | "interval" (ablation) | "adaptive"
+    # refresh "adaptive": boundaries, plus a slow step when the fast step's log-sum-exp over
+    # the sparse memory (mean over the q heads of a few middle layers) falls this many nats
+    # below its value at the first fast step after the last refresh (boundary.TriggerPolicy)
+    adaptive_threshold: float = 0.5
     boundaries: str = "default"          # spec string, see boundary.parse_boundary_spec
     # layers that always run dense attention
     dense_layers: tuple[int, ...] = (0, 1)
@@ -143,8 +148,8 @@ class SFIConfig:
         if not isinstance(self.dense_layers, tuple) or not all(
                 is_int(x) and x >= 0 for x in self.dense_layers):
             bad("dense_layers", "a list of non-negative layer indices")
-        if self.refresh not in ("boundary", "interval"):
-            bad("refresh", "'boundary' or 'interval'")
+        if self.refresh not in REFRESH_MODES:
+            bad("refresh", "'boundary', 'interval' or 'adaptive'")
         if self.method not in METHODS:
             bad("method", "one of " + ", ".join(METHODS))
         if not is_int(self.page_size) or self.page_size < 1:
@@ -165,7 +170,7 @@ class SFIConfig:
             v = getattr(self, name)
             if not is_num(v) or v < 0:
                 bad(name, "a finite number >= 0")
-        for name in ("pos_power", "excl_temperature"):
+        for name in ("pos_power", "excl_temperature", "adaptive_threshold"):
             v = getattr(self, name)
             if not is_num(v) or v <= 0:
                 bad(name, "a finite number > 0")
@@ -175,6 +180,9 @@ class SFIConfig:
                 bad(name, "a number in [0, 1]")
         if self.fast_path not in FAST_PATHS:
             bad("fast_path", "'triton' or 'flashinfer'")
+        if self.refresh == "adaptive" and self.fast_path != "triton":
+            raise SFIConfigError(f"{cli_name('refresh')} adaptive needs {cli_name('fast_path')} triton "
+                                 "(the trigger reads the Triton fast kernel's log-sum-exp)")
         for name in ("use_prior", "use_nms", "use_exclusivity"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "true or false")

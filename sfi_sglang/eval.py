@@ -101,6 +101,10 @@ METHODS = {
     # slow steps at least every 8 tokens (boundaries still trigger, 4 apart at the least)
     "sfi-refresh-8": Method("sfi-refresh-8", {"min_gap": 4, "max_interval": 8}),
     "sfi-no-dense-layers": Method("sfi-no-dense-layers", {"dense_layers": []}),
+    # boundaries, plus a slow step when the memory's log-sum-exp falls this far (nats)
+    "sfi-adaptive": Method("sfi-adaptive", {"refresh": "adaptive", "adaptive_threshold": 0.5}),
+    "sfi-adaptive-0.25": Method("sfi-adaptive-0.25", {"refresh": "adaptive", "adaptive_threshold": 0.25}),
+    "sfi-adaptive-1": Method("sfi-adaptive-1", {"refresh": "adaptive", "adaptive_threshold": 1.0}),
     "streaming": Method("streaming", {"method": "streaming"}),
     "snapkv": Method("snapkv", {"method": "snapkv"}),
     "quest": Method("quest", {"method": "quest"}),
@@ -268,7 +272,17 @@ def run(args, plan: dict) -> dict:
     methods = args.methods.split(",")
     max_total = max(budget_for(r, n)["budget"] for r in retentions for n in contexts)
     max_window = max(budget_for(r, n)["window"] for r in retentions for n in contexts)
+    # the adaptive trigger needs a server that computes what it reads (--sfi-refresh
+    # adaptive); every other method then names its own refresh (method_options)
+    adaptive = any(METHODS[m].options.get("refresh") == "adaptive"
+                   for m in methods + args.passkey_methods.split(",") if m in METHODS)
+
+    def method_options(m: str) -> dict:
+        o = METHODS[m].options
+        return {"refresh": "boundary", **o} if adaptive and "refresh" not in o else dict(o)
+
     engine = sfi_sglang.Engine(sfi_budget=max_total, sfi_window=max_window, sfi_sinks=SINKS,
+                               **({"sfi_refresh": "adaptive"} if adaptive else {}),
                                enable_custom_logit_processor=True, disable_radix_cache=True,
                                mem_fraction_static=args.mem_fraction_static,
                                # every method is a per-request config (budget, window, method):
@@ -300,7 +314,7 @@ def run(args, plan: dict) -> dict:
                     for m in methods:
                         if not (r == args.ablation_retention or m in BASELINES):
                             continue
-                        opts = {**budget_for(r, n), **METHODS[m].options}
+                        opts = {**budget_for(r, n), **method_options(m)}
                         out = engine.generate(input_ids=prompt, sampling_params={**common, "custom_params": {
                             "sfi": opts, "sfi_eval": {"key": key, "role": "test", "tokens": cont}}},
                             custom_logit_processor=force)
@@ -325,7 +339,7 @@ def run(args, plan: dict) -> dict:
             prompt = passkey_prompt(tok, n, depth, key)
             for m in pk_methods:
                 sfi = {"enabled": False} if m == "dense" else {
-                    **budget_for(args.ablation_retention, n), **METHODS[m].options}
+                    **budget_for(args.ablation_retention, n), **method_options(m)}
                 out = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 10,
                                                "custom_params": {"sfi": sfi}})
                 rows.append({"kind": "passkey", "context": n, "depth": depth, "method": m, "key": key,
@@ -340,7 +354,7 @@ def run(args, plan: dict) -> dict:
             for m in tqdm(methods, desc="greedy", unit="method"):
                 out = engine.generate(input_ids=ids, sampling_params={
                     "temperature": 0, "max_new_tokens": args.steps, "ignore_eos": True,
-                    "custom_params": {"sfi": {**budget_for(args.ablation_retention, n), **METHODS[m].options}}})
+                    "custom_params": {"sfi": {**budget_for(args.ablation_retention, n), **method_options(m)}}})
                 same = next((i for i, (a, b) in enumerate(zip(out["output_ids"], dense)) if a != b), len(dense))
                 rows.append({"kind": "greedy", "context": n, "method": m,
                              "retention": args.ablation_retention, "match_length": same,

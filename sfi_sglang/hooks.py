@@ -333,6 +333,7 @@ def _request_maps() -> dict:
             "request_params": len(REQUEST_PARAMS),  # rid -> custom_params (backend.py)
             "by_rid": by_rid,  # rid -> (slot, Request) (SFIAttnBackend.by_rid)
             "slot_records": len(be.requests) if be is not None else 0,  # SFIAttnBackend.requests
+            "retracted": len(be.suspended) if be is not None else 0,  # SFIAttnBackend.suspended
             "radix_matched": sum(len(c._reqs) for c in radix.CACHES),  # SFIRadixCache._reqs
             "radix_started": sum(len(c._started) for c in radix.CACHES),
             "eval_results": len(sfi_eval._RESULTS)}

@@ -243,12 +243,15 @@ class SparseMemory:
     def attend_fast(self, layer_id: int, q: torch.Tensor, k_cache, v_cache, req_to_token,
                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                     out: Optional[torch.Tensor] = None, fast_plan=None, max_len: Optional[int] = None,
-                    win_start: Optional[torch.Tensor] = None, **kernel_kw) -> torch.Tensor:
+                    win_start: Optional[torch.Tensor] = None, lse_out: Optional[torch.Tensor] = None,
+                    **kernel_kw) -> torch.Tensor:
         """Fast-step attention q [b, H_q, D] -> [b, H_q, D] over sinks + selected + window.
         Triton: one kernels.fast_decode launch (no host sync); FlashInfer: `fast_plan` from
         plan_fast for these rows; else the torch reference over the first max_len
         positions (default max(seq_lens), a host read). win_start: the packed path's
-        window starts of these rows, when the caller has them (step_window_start)."""
+        window starts of these rows, when the caller has them (step_window_start).
+        lse_out [b, H_q] float32: also each head's log-sum-exp over the memory (Triton and
+        the torch reference; config.py refuses the adaptive trigger on FlashInfer)."""
         li = self.layer_index[layer_id]
         rpi = req_pool_indices.to(self.device).long()
         if self.fast_path == "flashinfer":
@@ -258,10 +261,11 @@ class SparseMemory:
             ws = self.fast_ws[rpi] if win_start is None else win_start
             return self._k.fast_decode(q, k_cache, v_cache, req_to_token, rpi, seq_lens, ws,
                                        self.packed_k[li], self.packed_v[li], self.packed_len,
-                                       sm_scale, out=out, **kernel_kw)
+                                       sm_scale, out=out, lse_out=lse_out, **kernel_kw)
         n = self._ref_len(seq_lens, max_len)
         allowed = self._fast_mask(li, rpi, seq_lens, n)
-        return self._attend_masked_ref(q, k_cache, v_cache, req_to_token, rpi, allowed, sm_scale, out)
+        return self._attend_masked_ref(q, k_cache, v_cache, req_to_token, rpi, allowed, sm_scale, out,
+                                       lse_out=lse_out)
 
     # ------------------------------------------------------------------ torch reference
     # The CPU path: every row of a batch at once (no per-row Python loop, no host read), over
@@ -286,10 +290,11 @@ class SparseMemory:
         return (keep | hit[..., :n]) & (j < t)
 
     def _attend_masked_ref(self, q, k_cache, v_cache, req_to_token, rpi, allowed, sm_scale, out,
-                           logits_out=None):
+                           logits_out=None, lse_out=None):
         """q [b, H_q, D] over positions allowed [b, H_kv, n] (float32 arithmetic); rows with
         nothing allowed give 0. logits_out [b, H_q, >= n]: the raw logits of every position
-        < n (-inf where the row's context ends, i.e. past allowed for a dense mask)."""
+        < n (-inf where the row's context ends, i.e. past allowed for a dense mask).
+        lse_out [b, H_q]: each head's log-sum-exp over its allowed positions."""
         b, hq, d = q.shape
         n = allowed.shape[-1]
         if out is None:
@@ -304,8 +309,10 @@ class SparseMemory:
         if logits_out is not None:
             logits_out[:, :, :n] = logits.masked_fill(~allowed[:, :, None, :], float("-inf")).reshape(b, hq, n)
             logits_out[:, :, n:] = float("-inf")
-        p = torch.softmax(logits.masked_fill(~allowed[:, :, None, :], float("-inf")), -1)
-        p = torch.nan_to_num(p, nan=0.0)
+        masked = logits.masked_fill(~allowed[:, :, None, :], float("-inf"))
+        if lse_out is not None:
+            lse_out.copy_(torch.logsumexp(masked, -1).reshape(b, hq))
+        p = torch.nan_to_num(torch.softmax(masked, -1), nan=0.0)
         o = torch.einsum("bhgn,bnhd->bhgd", p, v_cache[tok].float())
         out.copy_(o.reshape(b, hq, -1).to(out.dtype))
         return out

@@ -17,8 +17,12 @@ request's steps are counted when it finishes (aborted requests included).
                                                      boundaries), interval (max_interval
                                                      reached), bootstrap (the first decode step
                                                      of a request whose prefill made no
-                                                     selection), other (past the per-request
-                                                     log of sfi_sglang.step.SLOW_LOG slow steps)
+                                                     selection), adaptive (--sfi-refresh adaptive:
+                                                     the memory stopped covering the query),
+                                                     retraction (the re-prefill of a request
+                                                     SGLang retracted), other (past the
+                                                     per-request log of sfi_sglang.step.SLOW_LOG
+                                                     slow steps)
     sglang:sfi_selections_total{source}              new selections of a request's memory:
                                                      prefill (the Selector at prefill end),
                                                      slow_step, shared_prefix (imported from a
@@ -43,18 +47,20 @@ from typing import Optional
 
 from sfi_sglang.step import SLOW_LOG
 
-CAUSES = ("boundary", "interval", "bootstrap", "other")
+CAUSES = ("boundary", "interval", "bootstrap", "adaptive", "retraction", "other")
 
 # this scheduler process's series (hooks._add_sfi_metrics), None without --enable-metrics
 METRICS: Optional["SFIMetrics"] = None
 
 
 def slow_causes(slow_at: list, slow_steps: int, max_interval: int, interval_mode: bool,
-                had_selection: bool) -> dict:
+                had_selection: bool, adaptive: int = 0, retractions: int = 0) -> dict:
     """Slow steps of one request by cause, from its logged slow decode steps (1-based,
     ascending) as TriggerPolicy decided them: distance d from the last refresh (prefill end:
     step 0) >= max_interval is interval, the first decode step without a selection is
-    bootstrap, every other one followed a boundary. Steps past the log are "other"."""
+    bootstrap, every other one followed a boundary, except the `adaptive` ones the trigger
+    counted (refresh adaptive) and the `retractions` (a retracted request's re-prefill),
+    which are taken out of those. Steps past the log are "other"."""
     out = dict.fromkeys(CAUSES, 0)
     prev = 0
     for i, step in enumerate(slow_at):
@@ -65,6 +71,12 @@ def slow_causes(slow_at: list, slow_steps: int, max_interval: int, interval_mode
         else:
             out["boundary"] += 1
         prev = step
+    for cause, n in (("adaptive", adaptive), ("retraction", retractions)):
+        for src in ("boundary", "interval"):
+            moved = min(n, out[src])
+            out[src] -= moved
+            out[cause] += moved
+            n -= moved
     out["other"] = max(0, slow_steps - len(slow_at)) if len(slow_at) >= SLOW_LOG else 0
     return out
 
@@ -124,7 +136,8 @@ class SFIMetrics:
             return
         self.fast_steps.labels(**self.labels).inc(stats["fast_steps"])
         causes = slow_causes(stats["slow_at"], stats["slow_steps"], max_interval, interval_mode,
-                             stats["bootstrap"])
+                             stats["bootstrap"], stats.get("adaptive_slow_steps", 0),
+                             stats.get("retractions", 0))
         for cause, n in causes.items():
             if n:
                 self.slow_steps.labels(**self._l(cause=cause)).inc(n)

@@ -205,6 +205,11 @@ class SFIRadixCache(RadixCache):
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
+        if not req.finished():  # a decode retraction: the request comes back by a prefill
+            backend = sfi_backend(self.req_to_token_pool)
+            slot = getattr(req.kv, "req_pool_idx", None)
+            if backend is not None and slot is not None:
+                backend.suspend(req.rid, slot)
         self._reqs.pop(req.rid, None)
         self._started.discard(req.rid)
 

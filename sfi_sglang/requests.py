@@ -15,7 +15,8 @@ from sfi_sglang.config import SFIConfig, SFIConfigError
 EAGER_ENV = "SFI_SGLANG_EAGER_DECODE"
 # Per-request options the device-side decode step serves (per-slot tensors: the trigger
 # policy's counters, the SFI switch, dense layers beyond the server's).
-DEVICE_OPTIONS = frozenset({"min_gap", "cooldown", "max_interval", "refresh", "dense_layers"})
+DEVICE_OPTIONS = frozenset({"min_gap", "cooldown", "max_interval", "refresh", "adaptive_threshold",
+                            "dense_layers"})
 
 # custom_params key of a request's extra boundary token ids (set by sfi_sglang.router)
 EXTRA_IDS_KEY = "sfi_extra_boundary_ids"
@@ -76,6 +77,9 @@ def request_config(server: SFIConfig, custom_params,
     if cfg.sinks != server.sinks:
         raise SFIConfigError(f'custom_params["sfi"]["sinks"] ({cfg.sinks}) cannot differ from the '
                              f"server's --sfi-sinks ({server.sinks})")
+    if cfg.refresh == "adaptive" and server.refresh != "adaptive":
+        raise SFIConfigError('custom_params["sfi"]["refresh"] adaptive needs a server launched with '
+                             "--sfi-refresh adaptive (its fast steps then report what the trigger reads)")
     for name in ("boundaries", "fast_path"):  # server-wide: one table, one kernel
         if overrides.get(name, getattr(server, name)) != getattr(server, name):
             raise SFIConfigError(f'custom_params["sfi"]["{name}"] cannot differ from the server\'s '
@@ -127,6 +131,10 @@ class Request:
     # bootstrap selections computed here vs imported from a shared prefix (sfi_sglang.radix)
     bootstrap_computed: int = 0
     bootstrap_reused: int = 0
+    imported: bool = False  # this start's selection came from a shared prefix (sfi_sglang.radix)
+    # decode steps whose token a re-prefill made after SGLang retracted the request
+    # (backend.suspend); each counts as a slow step of an SFI request
+    retracted_at: tuple = ()
 
     @property
     def refreshes(self) -> bool:
@@ -143,5 +151,6 @@ class Request:
                 "slow_steps": slow_steps, "bootstrap": self.bootstrap,
                 "bootstrap_computed": self.bootstrap_computed,
                 "bootstrap_reused": self.bootstrap_reused,
+                "retractions": len(self.retracted_at), "retracted_at": list(self.retracted_at),
                 "slow_at": list(slow_at),
                 "budget": self.cfg.budget, "window": self.cfg.window, "sinks": self.cfg.sinks}

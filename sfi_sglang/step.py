@@ -74,6 +74,23 @@ class StepPlan:
         self.slow_n[slot] = 0
         self.slow_log[slot] = -1
 
+    def history(self, slot: int) -> dict:
+        """The slot's decision history (device copies): what `resume` continues."""
+        return {"steps": self.steps[slot].clone(), "slow_log": self.slow_log[slot].clone(),
+                "slow_n": self.slow_n[slot].clone()}
+
+    def resume(self, slot: int, history: dict, slow: bool) -> None:
+        """A retracted request's re-prefill in `slot` (after `start`): its history continues,
+        the re-prefill counted as the decode step it replaces, slow when `slow` (an SFI
+        request: dense attention over the whole context, then a new selection)."""
+        steps, n = history["steps"] + 1, history["slow_n"]
+        log = history["slow_log"].clone()
+        if slow:
+            at = n.clamp(max=SLOW_LOG - 1)
+            log[at] = torch.where(n < SLOW_LOG, steps, log[at])
+            n = n + 1
+        self.steps[slot], self.slow_log[slot], self.slow_n[slot] = steps, log, n
+
     def read(self, slot: int) -> tuple[int, list[int]]:
         """(decode steps, slow decode steps) of the slot's request (host sync: at report time)."""
         steps, n = int(self.steps[slot]), int(self.slow_n[slot])

@@ -16,10 +16,13 @@ TINY = ["--shape", "tiny", "--dtype", "float32", "--device", "cpu", "--sfi-budge
         "--sfi-window", "8", "--sfi-sinks", "4", "--reps", "2"]
 
 
-def test_tiny_throughput_run(tmp_path):
+@pytest.mark.parametrize("refresh", ["interval", "adaptive"])
+def test_tiny_throughput_run(tmp_path, refresh):
+    """adaptive: the trigger's signal is computed at every step, and at the harness's
+    default threshold it never fires: the same slow steps."""
     out = tmp_path / "tp"
     r = subprocess.run(CLI + TINY + ["--configs", "10x2,60x3", "--steps", "12", "--slow-every", "4",
-                                     "--out", str(out)],
+                                     "--sfi-refresh", refresh, "--out", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=str(_REPO))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "tp.json").read_text())

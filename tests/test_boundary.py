@@ -176,6 +176,36 @@ def test_interval_mode_ignores_boundaries():
     assert run([W, DOT, W, W, DOT, W, W, W], cfg) == [0, 0, 1, 0, 0, 1, 0, 0]
 
 
+def test_adaptive_fires_when_the_memory_lse_drops():
+    """refresh "adaptive": the first fast step after a refresh sets the reference; a later
+    fast step whose log-sum-exp (mean over layers and heads) fell more than the threshold
+    below it makes the next step slow; that slow step drops the reference, and the next
+    fast step takes a new one. Boundaries keep firing; other modes never read the LSE."""
+    cfg = cfg_(refresh="adaptive", adaptive_threshold=0.5)
+    pol = TriggerPolicy(IS_B, IS_C, max_slots=4, cfg=cfg)
+    pol.monitor(num_layers=2, num_q_heads=3)
+    slots = torch.tensor([1, 2, 3])
+    pol.reset(slots, cfg)
+    pol.reset(torch.tensor([3]), cfg_(refresh="boundary"))  # the same server, a boundary request
+    w = torch.tensor([W, W, W])
+
+    def step(drop):
+        slow = pol.step(w, slots)
+        lse = 3.0 - torch.tensor(drop, dtype=torch.float32)[None, :, None].expand(2, 3, 3).clone()
+        lse[1, :, 0] -= 0.05  # not uniform: the mean over layers and heads decides
+        pol.observe(slots, lse, ~slow)
+        return slow.int().tolist()
+
+    assert step([0.0, 0.0, 0.0]) == [0, 0, 0]  # takes the references
+    assert step([0.4, 0.6, 9.0]) == [0, 0, 0]  # the verdict is for the next step
+    assert step([0.4, 0.6, 9.0]) == [0, 1, 0]  # row 2 fell 0.6 > 0.5; row 3 is not adaptive
+    assert step([0.6, 0.6, 9.0]) == [0, 0, 0]  # row 2's next fast step: a new reference
+    assert step([0.6, 1.0, 9.0]) == [1, 0, 0]  # row 1 fell 0.6
+    assert step([0.6, 1.0, 9.0]) == [0, 0, 0]  # row 2: 0.4 below its new reference
+    assert pol.fired.tolist() == [0, 1, 1, 0]
+    assert run([W, DOT, W, W], cfg) == [0, 0, 1, 0]  # boundaries still fire
+
+
 def test_force_and_out_of_vocab():
     pol = TriggerPolicy(IS_B, IS_C, max_slots=2, cfg=cfg_())
     pol.reset(torch.tensor([0]))
@@ -284,7 +314,7 @@ def test_slow_step_causes_from_the_log(seed):
         seq = [rng.choice([W, W, DOT, SP]) for _ in range(rng.randint(1, 40))]
         pol = TriggerPolicy(IS_B, IS_C, max_slots=1, cfg=cfg)
         pol.reset(torch.tensor([0]), cfg)
-        want = {"boundary": 0, "interval": 0, "bootstrap": 0, "other": 0}
+        want = {"boundary": 0, "interval": 0, "bootstrap": 0, "adaptive": 0, "retraction": 0, "other": 0}
         slow_at = []
         for step, t in enumerate(seq, 1):
             d = int(pol.since[0]) + 1
@@ -296,3 +326,7 @@ def test_slow_step_causes_from_the_log(seed):
                 want[cause] += 1
         assert slow_causes(slow_at, len(slow_at), cfg.max_interval, cfg.refresh == "interval",
                            had_selection) == want, (cfg, seq, slow_at)
+    # the adaptive trigger's and the retractions' slow steps are counted by the backend and
+    # taken out of those the distance classifies (boundary first)
+    assert slow_causes([3, 6, 20], 3, 8, False, True, adaptive=1, retractions=1) == {
+        "boundary": 0, "interval": 1, "bootstrap": 0, "adaptive": 1, "retraction": 1, "other": 0}

@@ -134,16 +134,20 @@ def test_fast_decode_matches_reference(G, D, splits, block_n, seq_lens, S, W, Kc
     st = make_state(len(seq_lens), Hkv, G, D, P, seq_lens)
     positions, win_start, packed_len = sfi_layout(st, S, W, Kc, seq_lens, P)
     # the packed buffers hold whatever; fast_decode must read exactly packed_len entries
+    B, Hq = len(seq_lens), Hkv * G
+    lse_ref = torch.empty(B, Hq, dtype=torch.float64, device=DEV)
     ref = K.ref_fast_decode(st["q"], st["k_cache"], st["v_cache"], st["req_to_token"],
                             st["req_pool_indices"], st["seq_lens"], win_start, st["packed_k"],
-                            st["packed_v"], packed_len, 1.0 / math.sqrt(D))
+                            st["packed_v"], packed_len, 1.0 / math.sqrt(D), lse_out=lse_ref)
     out = torch.full_like(st["q"], float("nan"))
+    lse = torch.full((B, Hq), float("nan"), device=DEV)  # the adaptive trigger's input
     K.fast_decode(st["q"], st["k_cache"], st["v_cache"], st["req_to_token"],
                   st["req_pool_indices"], st["seq_lens"], win_start, st["packed_k"],
                   st["packed_v"], packed_len, 1.0 / math.sqrt(D), out=out,
-                  num_splits=splits, block_n=block_n, fused_reduce=fused)
+                  num_splits=splits, block_n=block_n, fused_reduce=fused, lse_out=lse)
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
     assert rel_err(out, ref) < TOL[torch.float32]
+    assert (lse.double() - lse_ref).abs().max().item() < 1e-4
 
 
 def test_fast_decode_after_pack_equals_dense_when_memory_covers_history():
@@ -182,13 +186,18 @@ def test_fast_decode_edge_lengths():
     packed_len, win_start = packed_len.to(DEV), win_start.to(DEV)
     args = (st["q"], st["k_cache"], st["v_cache"], st["req_to_token"], st["req_pool_indices"],
             st["seq_lens"], win_start, st["packed_k"], st["packed_v"], packed_len, D ** -0.5)
-    ref = K.ref_fast_decode(*args)
+    lse_ref = torch.empty(3, Hkv * G, dtype=torch.float64, device=DEV)
+    ref = K.ref_fast_decode(*args, lse_out=lse_ref)
+    assert torch.isneginf(lse_ref[2]).all()
     for splits, fused in ((1, False), (3, False), (3, True)):
         out = torch.full_like(st["q"], float("nan"))
-        K.fast_decode(*args, out=out, num_splits=splits, block_n=16, fused_reduce=fused)
+        lse = torch.full((3, Hkv * G), float("nan"), device=DEV)
+        K.fast_decode(*args, out=out, num_splits=splits, block_n=16, fused_reduce=fused, lse_out=lse)
         assert torch.isfinite(out).all()
         assert torch.equal(out[2].cpu(), torch.zeros_like(out[2]).cpu())  # nothing to attend
         assert rel_err(out[:2], ref[:2]) < TOL[torch.float32]
+        assert torch.isneginf(lse[2]).all()  # an empty memory: -inf, not NaN
+        assert (lse[:2].double() - lse_ref[:2]).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("dtype", [

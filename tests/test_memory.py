@@ -146,7 +146,9 @@ def test_reference_partial_selection_matches_positions():
     mem = SparseMemory(2, [0, 1], 8, Hkv, D, cfg, DEV, torch.float32, packed=False)
     pos, cnt, ws = selection(cfg, n_sel, Hkv, gen, k=10)
     mem.store(1, st["rpi"], pos[..., :10], cnt, ws, st["k"], st["v"], st["rtt"])
-    out = mem.attend_fast(1, st["q"], st["k"], st["v"], st["rtt"], st["rpi"], st["seq_lens"], 0.25)
+    lse = torch.empty(len(t), Hkv * G)  # the adaptive trigger's input
+    out = mem.attend_fast(1, st["q"], st["k"], st["v"], st["rtt"], st["rpi"], st["seq_lens"], 0.25,
+                          lse_out=lse)
     for b, slot in enumerate(st["rpi"].tolist()):
         p = mem.fast_positions(1, slot, t[b])                   # [H, L]
         hi = int(ws[b])
@@ -156,9 +158,11 @@ def test_reference_partial_selection_matches_positions():
         keys = st["k"][slots, torch.arange(Hkv)[:, None]].double()
         vals = st["v"][slots, torch.arange(Hkv)[:, None]].double()
         qg = st["q"][b].double().view(Hkv, G, D)
-        w = torch.softmax(torch.einsum("hgd,hld->hgl", qg, keys) * 0.25, -1)
+        logits = torch.einsum("hgd,hld->hgl", qg, keys) * 0.25
+        w = torch.softmax(logits, -1)
         o = torch.einsum("hgl,hld->hgd", w, vals).reshape(Hkv * G, D)
         assert rel_err(out[b], o) < 1e-5
+        assert (lse[b].double() - torch.logsumexp(logits, -1).reshape(-1)).abs().max() < 1e-5
 
 
 def test_reset_store_and_bytes():
