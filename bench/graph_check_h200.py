@@ -38,6 +38,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--slow-every", type=int, default=8)
+    p.add_argument("--refresh", choices=("interval", "adaptive"), default="interval",
+                   help="adaptive: also the adaptive trigger (random weights: it fires often at a "
+                        "low threshold), checked the same way; writes graph_check_h200_adaptive.json")
+    p.add_argument("--adaptive-threshold", type=float, default=0.05)
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
 
@@ -77,8 +81,8 @@ def main(argv=None) -> int:
            "raw_cuda_graph": hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph"),
            "cuda_bindings": _has("cuda.bindings.runtime"), "cupy": _has("cupy")}
     print(json.dumps(res), flush=True)
-    cfg = SFIConfig(budget=512, window=128, refresh="interval", max_interval=args.slow_every,
-                    min_gap=min(16, args.slow_every))
+    cfg = SFIConfig(budget=512, window=128, refresh=args.refresh, max_interval=args.slow_every,
+                    min_gap=min(16, args.slow_every), adaptive_threshold=args.adaptive_threshold)
     model = bench.DummyModel(bench.SHAPES[args.shape], dtype, dev)
     B = args.batch
     st = bench.Setup(model, cfg, args.context, B, args.steps, dev, dtype)
@@ -103,8 +107,12 @@ def main(argv=None) -> int:
         ids, secs, slow = runner.run_sfi(first, args.steps)
         return ids, secs, slow, runner
 
+    fired = lambda: (be.policy.fired[st.fb.req_pool_indices].tolist()  # noqa: E731
+                     if be.policy.fired is not None else None)
     eager_ids, _, eager_slow, _ = run(False)
+    eager_fired = fired()
     graph_ids, secs, graph_slow, runner = run(True)
+    res.update(refresh=args.refresh, adaptive_fired_eager=eager_fired, adaptive_fired_graph=fired())
     counts = be.memory.counts[st.fb.req_pool_indices].tolist()
     same = torch.equal(eager_ids, graph_ids)
     first_diff = None
@@ -136,7 +144,8 @@ def main(argv=None) -> int:
     print(json.dumps(res), flush=True)
     ACTIVE.clear()
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "graph_check_h200.json"), "w") as f:
+    name = "graph_check_h200" + ("_adaptive" if args.refresh == "adaptive" else "")
+    with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(res, f, indent=1)
     return 0 if same and sync_ok and (_HAS_IF_NODE or res_if["graph_if_available"]) else 1
 
