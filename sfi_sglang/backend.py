@@ -162,6 +162,7 @@ class SFIAttnBackend(AttentionBackend):
         self._lse_layers = self._monitored_layers() if self.cfg.refresh == "adaptive" else []
         self._lse_index = {lid: i for i, lid in enumerate(self._lse_layers)}
         self._lse: Optional[torch.Tensor] = None
+        self._lse_t = torch.tensor(self._lse_layers, dtype=torch.int64, device=k0.device)
         if self._lse_layers:
             if tp > 1:
                 raise SFIConfigError("--sfi-refresh adaptive needs --tp-size 1 (each rank holds only "
@@ -600,8 +601,10 @@ class SFIAttnBackend(AttentionBackend):
 
     def _observe(self, rows, slots, b: int) -> None:
         """The adaptive trigger's verdict for each row's next step, from this step's
-        log-sum-exps of the monitored layers (their fast passes, device and host rows)."""
-        fast = rows.on & ~rows.slow
+        log-sum-exps of the monitored layers (their fast passes, device and host rows). A
+        row that keeps a monitored layer dense (its own dense_layers) has no memory there to
+        judge: it is not observed."""
+        fast = rows.on & ~rows.slow & ~rows.dense.index_select(1, self._lse_t).any(1)
         if self._host_rows:  # eager steps only
             fast = fast.clone()
             for i, _, req in self._host_rows:

@@ -232,8 +232,11 @@ def summary(rows: list[dict]) -> dict:
     for (m, ret, ctx), rs in sorted(groups.items(), key=lambda x: (x[0][2], x[0][1], x[0][0])):
         a, a_lo, a_hi = mean_ci([r["top1_agreement"] for r in rs], 0.0, 1.0)
         k, k_lo, k_hi = mean_ci([r["mean_kl"] for r in rs], 0.0)
+        steps = sum(r["steps"] for r in rs)
         tf.append({"method": m, "retention": ret, "context": ctx, "texts": len(rs),
-                   "sources": sorted({r["source"] for r in rs}), "steps": sum(r["steps"] for r in rs),
+                   "sources": sorted({r["source"] for r in rs}), "steps": steps,
+                   # slow decode steps per scored step (each run decodes its scored steps)
+                   "slow_rate": sum(r.get("slow_steps", 0) for r in rs) / max(steps, 1),
                    "top1_agreement": a, "top1_ci": [a_lo, a_hi] if a_lo is not None else None,
                    "mean_kl": k, "kl_ci": [k_lo, k_hi] if k_lo is not None else None})
     pk_groups: dict[tuple, list] = {}
@@ -371,10 +374,12 @@ def _ci(ci, fmt: str) -> str:
 def summarise(result: dict) -> str:
     rows = result["rows"]
     summ = result.get("summary") or summary(rows)
-    lines = ["| method | retention | context | texts | scored steps | top-1 agreement [95% CI] |"
-             " mean KL (nat) [95% CI] |", "|---|---|---|---|---|---|---|"]
+    lines = ["| method | retention | context | texts | scored steps | slow-step rate | top-1 agreement [95% CI] |"
+             " mean KL (nat) [95% CI] |", "|---|---|---|---|---|---|---|---|"]
     for g in summ["teacher_forced"]:
+        rate = g.get("slow_rate")
         lines.append(f"| {g['method']} | {g['retention']:.0%} | {g['context']} | {g['texts']} | {g['steps']} |"
+                     f" {'' if rate is None else f'1/{1 / rate:.0f}' if rate else '0'} |"
                      f" {g['top1_agreement']:.1%}{_ci(g['top1_ci'] and [100 * x for x in g['top1_ci']], '{:.1f}')} |"
                      f" {g['mean_kl']:.4f}{_ci(g['kl_ci'], '{:.4f}')} |")
     if summ["teacher_forced"]:
@@ -419,6 +424,30 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle("error bars: " + INTERVALS["teacher_forced"], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    plot_rate(groups, path.with_name(path.stem + "_rate.png"))
+
+
+def plot_rate(groups: list[dict], path: Path) -> None:
+    """Mean KL against the slow-step rate, one point per method (with its interval), one
+    panel per (context, retention): what each method's quality costs in slow steps."""
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(g["context"], g["retention"]) for g in groups})
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (ctx, ret) in zip(axes[0], panels):
+        for g in (g for g in groups if (g["context"], g["retention"]) == (ctx, ret)):
+            ci = g["kl_ci"] or [g["mean_kl"]] * 2
+            ax.errorbar([g.get("slow_rate", 0.0)], [g["mean_kl"]], capsize=3, fmt="o", label=g["method"],
+                        yerr=[[g["mean_kl"] - ci[0]], [ci[1] - g["mean_kl"]]])
+        ax.set(title=f"context {ctx}, retention {ret:.0%}", xlabel="slow steps per decode step",
+               ylabel="mean KL(dense || method), nat")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def add_cli(sub) -> None:

@@ -20,7 +20,7 @@ def test_eval_quality_smoke(tmp_path):
     doc = tmp_path / "doc.txt"
     doc.write_text("\n\n".join(list(essays().values())[:3])[:20000])
     r = subprocess.run([sfi_cli(), "eval", "quality", "--contexts", "512", "--retention", "0.25",
-                        "--ablation-retention", "0.25", "--methods", "sfi,streaming", "--texts", "2",
+                        "--ablation-retention", "0.25", "--methods", "sfi,streaming,sfi-adaptive", "--texts", "2",
                         "--text-file", str(doc), "--builtin-texts", "licenses",
                         "--steps", "6", "--passkey-contexts", "", "--mem-fraction-static", "0.08",
                         "--out", str(out)], capture_output=True, text=True, timeout=1200,
@@ -29,20 +29,25 @@ def test_eval_quality_smoke(tmp_path):
     result = json.loads(out.with_suffix(".json").read_text())
     tf = [row for row in result["rows"] if row["kind"] == "teacher_forced"]
     assert sorted((row["method"], row["source"]) for row in tf) == sorted(
-        (m, s) for m in ("sfi", "streaming") for s in (str(doc), "licenses"))
+        (m, s) for m in ("sfi", "streaming", "sfi-adaptive") for s in (str(doc), "licenses"))
     for row in tf:
         assert row["steps"] == 5  # decode steps 1..5 scored against dense
         assert 0.0 <= row["top1_agreement"] <= 1.0 and row["mean_kl"] >= 0.0
     assert all(row["slow_steps"] == 0 for row in tf if row["method"] == "streaming")  # no slow steps
-    assert {row["method"] for row in result["rows"] if row["kind"] == "greedy"} == {"sfi", "streaming"}
+    # an adaptive method makes the engine adaptive; the others then keep the boundary trigger
+    assert {row["refresh"] for row in tf if row["method"] == "sfi"} == {"boundary"}
+    assert {row["method"] for row in result["rows"] if row["kind"] == "greedy"} == {"sfi", "streaming",
+                                                                                   "sfi-adaptive"}
     groups = {g["method"]: g for g in result["summary"]["teacher_forced"]}
-    assert set(groups) == {"sfi", "streaming"}
+    assert set(groups) == {"sfi", "streaming", "sfi-adaptive"}
+    assert groups["streaming"]["slow_rate"] == 0 and groups["sfi"]["slow_rate"] >= 0
     for g in groups.values():  # two texts: an interval around the mean
         assert g["texts"] == 2 and g["top1_ci"][0] <= g["top1_agreement"] <= g["top1_ci"][1]
         assert 0.0 <= g["kl_ci"][0] <= g["mean_kl"] <= g["kl_ci"][1]
     md = out.with_suffix(".md").read_text()
-    assert "| sfi |" in md and "95% CI" in md and "t-interval" in md
+    assert "| sfi |" in md and "95% CI" in md and "t-interval" in md and "slow-step rate" in md
     assert out.with_suffix(".png").stat().st_size > 1000
+    assert out.with_name(out.name + "_rate.png").stat().st_size > 1000  # KL against slow-step rate
 
 
 def test_eval_rejects_unknown_method():
