@@ -42,6 +42,14 @@ MAX_SPLITS_DEFAULT = 16
 
 
 @triton.jit
+def _store_lse(Lse, offs, m, l, mask):
+    """The natural-log LSE of an online softmax's state (m, l in base 2) at Lse[offs]
+    ([B, H_q] contiguous); -inf where nothing was attended."""
+    lse = tl.where(l > 0, (m + tl.log2(tl.where(l > 0, l, 1.0))) * LN2, float("-inf"))
+    tl.store(Lse + offs, lse, mask=mask)
+
+
+@triton.jit
 def _fast_decode_kernel(
     Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Win_start,
     Packed_k, Packed_v, Packed_len, qk_scale_log2,
@@ -115,9 +123,8 @@ def _fast_decode_kernel(
     _write_result(Out, Mid_o, Mid_lse, b, s, hq, mask_g, offs_d, mask_d, m_i, l_i, acc,
                   stride_ob, stride_oh, n_kv * G, num_splits, D)
     if WRITE_LSE:
-        if num_splits == 1:  # natural-log LSE of the whole memory, [B, H_q] contiguous
-            lse1 = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * LN2, float("-inf"))
-            tl.store(Lse + b * n_kv * G + hq, lse1, mask=mask_g)
+        if num_splits == 1:
+            _store_lse(Lse, b * n_kv * G + hq, m_i, l_i, mask_g)
     if FUSED_REDUCE:
         if num_splits > 1:
             # Split-K merge without a second launch: the last split of this (request, KV
@@ -149,9 +156,7 @@ def _fast_decode_kernel(
                 tl.store(Out + b * stride_ob + hq[:, None] * stride_oh + offs_d[None, :],
                          res.to(Out.dtype.element_ty), mask=mask)
                 if WRITE_LSE:
-                    lse_r = tl.where(l_r > 0, (m_r + tl.log2(tl.where(l_r > 0, l_r, 1.0))) * LN2,
-                                     float("-inf"))
-                    tl.store(Lse + b * n_kv * G + hq, lse_r, mask=mask_g)
+                    _store_lse(Lse, b * n_kv * G + hq, m_r, l_r, mask_g)
                 tl.atomic_xchg(Counters + b * n_kv + h, 0, sem="relaxed", scope="gpu")
 
 

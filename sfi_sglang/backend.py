@@ -156,6 +156,15 @@ class SFIAttnBackend(AttentionBackend):
         mc = model_runner.model_config
         tp = getattr(getattr(model_runner, "server_args", None), "tp_size", 1) or 1
         self.num_q_heads = max(1, mc.num_attention_heads // tp)
+        # Slow steps' logits [rows, H_q, N], N = req_to_token's width (the longest context):
+        # made once for the CUDA graphs' batch (init_cuda_graph_state), else per batch size.
+        self._scores: Optional[torch.Tensor] = None  # eager steps
+        self._graph_scores: Optional[torch.Tensor] = None  # captured steps (init_cuda_graph_state)
+        # the batched Selector's inputs: every sparse layer's scores of a step (a flat buffer,
+        # made once, never replaced: graphs write into it), and each sparse layer's offset
+        # into the flattened key norms
+        self._sparse_ids = [lid for lid in range(self.num_layers) if lid not in self.cfg.dense_layers]
+        self._sparse_index = {lid: i for i, lid in enumerate(self._sparse_ids)}
         # refresh "adaptive": the fast step's log-sum-exps of a few middle sparse layers
         # [layers, rows, H_q], written by the fast kernel and read once per step by the
         # trigger (TriggerPolicy.observe); a buffer made once (graphs write into it)
@@ -170,15 +179,6 @@ class SFIAttnBackend(AttentionBackend):
             self.policy.monitor(len(self._lse_layers), self.num_q_heads)
             self._lse = torch.full((len(self._lse_layers), max_slots, self.num_q_heads), float("-inf"),
                                    dtype=torch.float32, device=k0.device)
-        # Slow steps' logits [rows, H_q, N], N = req_to_token's width (the longest context):
-        # made once for the CUDA graphs' batch (init_cuda_graph_state), else per batch size.
-        self._scores: Optional[torch.Tensor] = None  # eager steps
-        self._graph_scores: Optional[torch.Tensor] = None  # captured steps (init_cuda_graph_state)
-        # the batched Selector's inputs: every sparse layer's scores of a step (a flat buffer,
-        # made once, never replaced: graphs write into it), and each sparse layer's offset
-        # into the flattened key norms
-        self._sparse_ids = [lid for lid in range(self.num_layers) if lid not in self.cfg.dense_layers]
-        self._sparse_index = {lid: i for i, lid in enumerate(self._sparse_ids)}
         self._norm_offsets = torch.tensor([lid * rows4 for lid in self._sparse_ids], dtype=torch.int32,
                                           device=k0.device)
         self._sparse_t = torch.tensor(self._sparse_ids, dtype=torch.int64, device=k0.device)
@@ -214,7 +214,7 @@ class SFIAttnBackend(AttentionBackend):
         """The layers the adaptive trigger reads: the sparse layers at 1/4, 1/2 and 3/4 of
         the server's sparse layers (middle layers: the first attend broadly, the last
         follow the output)."""
-        sparse = [lid for lid in range(self.num_layers) if lid not in self.cfg.dense_layers]
+        sparse = self._sparse_ids
         return sorted({sparse[len(sparse) * k // 4] for k in (1, 2, 3)}) if sparse else []
 
     def _lse_rows(self, rows: int) -> torch.Tensor:

@@ -306,10 +306,10 @@ class SparseMemory:
         tok = torch.where(allowed.any(1), tok, 0)  # past a row's context: any valid KV slot
         qg = q.float().view(b, h, hq // h, d)
         logits = torch.matmul(qg, k_cache[tok].float().permute(0, 2, 3, 1)) * sm_scale  # [b, h, g, n]
-        if logits_out is not None:
-            logits_out[:, :, :n] = logits.masked_fill(~allowed[:, :, None, :], float("-inf")).reshape(b, hq, n)
-            logits_out[:, :, n:] = float("-inf")
         masked = logits.masked_fill(~allowed[:, :, None, :], float("-inf"))
+        if logits_out is not None:
+            logits_out[:, :, :n] = masked.reshape(b, hq, n)
+            logits_out[:, :, n:] = float("-inf")
         if lse_out is not None:
             lse_out.copy_(torch.logsumexp(masked, -1).reshape(b, hq))
         p = torch.nan_to_num(torch.softmax(masked, -1), nan=0.0)
