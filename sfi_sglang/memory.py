@@ -313,7 +313,10 @@ class SparseMemory:
         if lse_out is not None:
             lse_out.copy_(torch.logsumexp(masked, -1).reshape(b, hq))
         p = torch.nan_to_num(torch.softmax(masked, -1), nan=0.0)
-        o = torch.einsum("bhgn,bnhd->bhgd", p, v_cache[tok].float())
+        # V of positions not attended is zeroed, not just weighted 0: 0 * NaN is NaN, and a
+        # pool slot outside the memory (the padding slot 0, a slot not written yet) may hold any bits
+        v = v_cache[tok].float().masked_fill(~allowed.transpose(1, 2)[..., None], 0.0)  # [b, n, h, d]
+        o = torch.einsum("bhgn,bnhd->bhgd", p, v)
         out.copy_(o.reshape(b, hq, -1).to(out.dtype))
         return out
 

@@ -149,6 +149,15 @@ def test_reference_partial_selection_matches_positions():
     lse = torch.empty(len(t), Hkv * G)  # the adaptive trigger's input
     out = mem.attend_fast(1, st["q"], st["k"], st["v"], st["rtt"], st["rpi"], st["seq_lens"], 0.25,
                           lse_out=lse)
+    # the KV pool's slots that no row attends may hold any bits (SGLang's padding slot 0, a
+    # slot not written yet, a freed one): NaN there changes nothing
+    seen = torch.zeros(st["k"].shape[:2], dtype=torch.bool, device=DEV)
+    for b, slot in enumerate(st["rpi"].tolist()):
+        p = mem.fast_positions(1, slot, t[b])
+        seen[st["rtt"][slot][p].long(), torch.arange(Hkv, device=DEV)[:, None]] = True
+    k_nan, v_nan = (x.masked_fill(~seen[..., None], float("nan")) for x in (st["k"], st["v"]))
+    out_nan = mem.attend_fast(1, st["q"], k_nan, v_nan, st["rtt"], st["rpi"], st["seq_lens"], 0.25)
+    assert torch.equal(out_nan, out)
     for b, slot in enumerate(st["rpi"].tolist()):
         p = mem.fast_positions(1, slot, t[b])                   # [H, L]
         hi = int(ws[b])
