@@ -1,10 +1,12 @@
-"""Batching never changes what a request gets (issue 16, item 1), probed on the CPU engine:
+"""Batching never changes what a request gets (issue 16, item 1), probed on the CPU engine
+(or a GPU: bench/garbage_h200.sh):
 greedy tokens and slow_at of N long prompts, alone vs all in one batch, and a scan of every
 output for garbage (private-use or replacement characters).
 
     python bench/batch_invariance.py [--source essays|licences] [--n 8] [--prompt-tokens 1000]
         [--max-new-tokens 120] [--ignore-eos] [--budget 128] [--window 64] [--disable-sfi]
         [--deterministic] [--alone K] [--mem-fraction-static 0.15] [--max-total-tokens N]
+        [--model-path DIR] [--dtype auto|bfloat16|...]
 
 Prints a GEMM line (a row's product against its batch's row count, the CPU's cause), one
 JSON line per prompt, then ALL_EQUAL and GARBAGE lines. Sources: Paul Graham's
@@ -71,15 +73,18 @@ def main():
     ap.add_argument("--mem-fraction-static", type=float, default=0.15)
     ap.add_argument("--max-total-tokens", type=int, default=None,
                     help="SGLang's KV pool size in tokens: small values force decode retractions")
+    ap.add_argument("--model-path", default=None, help="default: the embedded SmolLM2")
+    ap.add_argument("--dtype", default="auto")
     a = ap.parse_args()
     print("GEMM", json.dumps(gemm_rows()), flush=True)
 
     import sfi_sglang
     from transformers import AutoTokenizer
     from sfi_sglang.model import default_model_path
-    tok = AutoTokenizer.from_pretrained(default_model_path())
+    model = a.model_path or default_model_path()
+    tok = AutoTokenizer.from_pretrained(model)
     ps = prompts(tok, a.source, a.n, a.prompt_tokens)
-    eng = sfi_sglang.Engine(sfi_budget=a.budget, sfi_window=a.window, disable_sfi=a.disable_sfi,
+    eng = sfi_sglang.Engine(model_path=model, dtype=a.dtype, sfi_budget=a.budget, sfi_window=a.window, disable_sfi=a.disable_sfi,
                             enable_deterministic_inference=a.deterministic,
                             mem_fraction_static=a.mem_fraction_static, log_level="error",
                             **({"max_total_tokens": a.max_total_tokens} if a.max_total_tokens else {}))

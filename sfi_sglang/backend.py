@@ -172,10 +172,8 @@ class SFIAttnBackend(AttentionBackend):
         self._lse_index = {lid: i for i, lid in enumerate(self._lse_layers)}
         self._lse: Optional[torch.Tensor] = None
         self._lse_t = torch.tensor(self._lse_layers, dtype=torch.int64, device=k0.device)
+        self.cfg.check_tp(tp)
         if self._lse_layers:
-            if tp > 1:
-                raise SFIConfigError("--sfi-refresh adaptive needs --tp-size 1 (each rank holds only "
-                                     "its heads and would decide its refreshes alone)")
             self.policy.monitor(len(self._lse_layers), self.num_q_heads)
             self._lse = torch.full((len(self._lse_layers), max_slots, self.num_q_heads), float("-inf"),
                                    dtype=torch.float32, device=k0.device)

@@ -70,6 +70,11 @@ def serve(argv: list[str]) -> int:
 
     load_plugins()  # registers the `sfi` backend choice before SGLang parses its args
     server_args = prepare_server_args(rest)
+    if not args.disable_sfi:
+        try:
+            cfg.check_tp(server_args.tp_size)
+        except SFIConfigError as err:
+            parser.error(str(err))
     from sfi_sglang.engine import cpu_parallel_args
 
     # CPU engine with tp/dp > 1 (engine.py says why)

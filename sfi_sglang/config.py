@@ -187,6 +187,13 @@ class SFIConfig:
             if not isinstance(getattr(self, name), bool):
                 bad(name, "true or false")
 
+    def check_tp(self, tp_size: int) -> None:
+        """Options that need one tensor-parallel rank: checked where a launch knows its tp
+        size (the CLI, Engine, and the backend in each scheduler)."""
+        if self.refresh == "adaptive" and tp_size > 1:
+            raise SFIConfigError(f"{cli_name('refresh')} adaptive needs --tp-size 1 (each rank holds "
+                                 "only its heads and would decide its refreshes alone)")
+
     # ---------------------------------------------------------------- construction
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

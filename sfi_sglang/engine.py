@@ -116,6 +116,8 @@ def Engine(*, disable_sfi: bool = False, **kwargs):
     sfi = {k[len("sfi_"):]: kwargs.pop(k) for k in list(kwargs) if k.startswith("sfi_")}
     cfg = SFIConfig.from_dict(sfi)
     out = launch_kwargs(kwargs, cfg, enabled=not disable_sfi)
+    if not disable_sfi:
+        cfg.check_tp(int(out.get("tp_size") or 1))
     ranks = 1
     for key in ("tp_size", "dp_size", "pp_size"):
         ranks *= int(out.get(key) or 1)

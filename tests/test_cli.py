@@ -72,6 +72,9 @@ def test_help_and_bad_usage():
     out = subprocess.run([sfi_cli(), "generate", "--prompt", "x", "--sfi-min-gap", "50",
                           "--sfi-max-interval", "10"], capture_output=True, text=True)
     assert out.returncode == 2 and "--sfi-max-interval" in out.stderr
+    out = subprocess.run([sfi_cli(), "serve", "--sfi-refresh", "adaptive", "--tp-size", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "--tp-size 1" in out.stderr, out.stderr[-2000:]
 
 
 def test_example_batch_offline():

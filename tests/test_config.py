@@ -168,3 +168,21 @@ def test_request_options_are_checked_against_the_model(monkeypatch):
             request_config(server, {"sfi": opts}, model)
         request_config(server, {"sfi": opts})  # without the model: the config's own rules only
     request_config(SFIConfig(window=9000), {"sfi": {"budget": 128}}, model)
+
+
+def test_adaptive_refresh_needs_an_adaptive_server_and_one_tp_rank(monkeypatch):
+    """A request's refresh "adaptive" is refused on a server launched without it (its fast
+    steps do not report the trigger's log-sum-exp); the server option is refused with tp > 1."""
+    from sfi_sglang.requests import EAGER_ENV, request_config
+
+    monkeypatch.setenv(EAGER_ENV, "0")
+    with pytest.raises(SFIConfigError, match="--sfi-refresh adaptive"):
+        request_config(SFIConfig(), {"sfi": {"refresh": "adaptive"}})
+    adaptive = SFIConfig(refresh="adaptive")
+    _, cfg = request_config(adaptive, {"sfi": {"adaptive_threshold": 0.25}})
+    assert cfg.refresh == "adaptive" and cfg.adaptive_threshold == 0.25
+    assert request_config(adaptive, {"sfi": {"refresh": "boundary"}})[1].refresh == "boundary"
+    adaptive.check_tp(1)
+    SFIConfig().check_tp(2)
+    with pytest.raises(SFIConfigError, match="--tp-size 1"):
+        adaptive.check_tp(2)

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 16 item 1 on the H200: does the garbage stream (private-use characters from one of 32
+# concurrent 1,260-token streams, seen once on the CPU engine) come back at 32 concurrent
+# 1,000-token outputs, with the REAL SmolLM2 weights and SGLang's default GPU path (decode CUDA
+# graphs, overlap scheduler, radix cache)? bench/batch_invariance.py: 32 greedy requests (260
+# tokens of an essay + "Summarize it in detail", 1,000 new tokens, ignore_eos) in one batch,
+# then the first 8 alone; garbage counted in every output. Runs, in order: SFI at the default
+# budget (the probe's setting), dense, SFI at budget 128 / window 64 (sparse throughout), then
+# both again under --enable-deterministic-inference.
+#   here:   PYTHON=.venv/bin/python bash bench/sglang_h200.sh pack; python bench/smollm2_h200.py prepare
+#   device: the weights go over in chunks first (bench/smollm2_h200.py's docstring: one call per
+#           .wN, back to back, each copying it to /root/sfiw), then
+#           run(command="bash bench/garbage_h200.sh", carry=[".sgl", ".w0"])
+# $OUT: garbage_h200_<run>.log, garbage_h200.log (the summary lines).
+set -uo pipefail
+source bench/sglang_h200.sh
+unpack_site
+setup_sfi
+export PYTHONPATH=$PWD/.sgl/nh:$PYTHONPATH
+OUT=${OUT:-/tmp/garbage_out}; mkdir -p "$OUT"
+M=/root/sfiw/model
+mkdir -p $M && cp .sgl/tok/* $M/
+python3 - <<'PY' || exit 1
+import hashlib, json, pathlib, shutil
+m = json.loads(pathlib.Path(".w0/manifest.json").read_text())
+for rel, want in m.items():
+    src = pathlib.Path("/root/sfiw") / rel
+    assert hashlib.sha256(src.read_bytes()).hexdigest() == want["sha256"], rel
+    shutil.copy(src, f"/root/sfiw/model/{rel.split('/')[0].lstrip('.')}.safetensors")
+print("weights: every chunk's sha256 matches")
+PY
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/garbage_h200.log"
+probe() {
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$OUT/garbage_h200.log"
+  timeout 120 python3 -P bench/batch_invariance.py --model-path $M --dtype bfloat16 --source essays \
+    --n 32 --prompt-tokens 260 --max-new-tokens 1000 --ignore-eos --alone 8 --mem-fraction-static 0.3 "$@" \
+    > "$OUT/garbage_h200_$name.log" 2>&1
+  echo "rc $?" >> "$OUT/garbage_h200_$name.log"
+  grep -E '^(\{|ALL_EQUAL|GARBAGE|rc )' "$OUT/garbage_h200_$name.log" | cut -c1-220 | tee -a "$OUT/garbage_h200.log"
+  pkill -f sglang:: 2>/dev/null; sleep 2
+}
+probe sfi_default --budget 2048 --window 256
+probe dense --disable-sfi
+probe sfi_128 --budget 128 --window 64
+probe sfi_128_det --budget 128 --window 64 --deterministic
+probe dense_det --disable-sfi --deterministic
