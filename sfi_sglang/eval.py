@@ -284,7 +284,7 @@ def run(args, plan: dict) -> dict:
         o = METHODS[m].options
         return {"refresh": "boundary", **o} if adaptive and "refresh" not in o else dict(o)
 
-    engine = sfi_sglang.Engine(sfi_budget=max_total, sfi_window=max_window, sfi_sinks=SINKS,
+    engine = sfi_sglang.Engine(model_path=args.model_path, sfi_budget=max_total, sfi_window=max_window, sfi_sinks=SINKS,
                                **({"sfi_refresh": "adaptive"} if adaptive else {}),
                                enable_custom_logit_processor=True, disable_radix_cache=True,
                                mem_fraction_static=args.mem_fraction_static,
@@ -475,6 +475,7 @@ def add_cli(sub) -> None:
     p.add_argument("--no-greedy", dest="greedy", action="store_false",
                    help="skip (c), the greedy match length (run at the first context only)")
     p.add_argument("--mem-fraction-static", type=float, default=0.15)
+    p.add_argument("--model-path", default=None, help="a Hugging Face model folder (default: the embedded SmolLM2)")
     p.add_argument("--out", default="bench/results/quality")
 
 
@@ -496,7 +497,8 @@ def main(argv) -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     builtin = [b for b in args.builtin_texts.split(",") if b]
     try:  # before the engine starts: bad texts are a usage error, not a traceback
-        plan, skipped = texts(AutoTokenizer.from_pretrained(default_model_path()), contexts,
+        args.model_path = args.model_path or default_model_path()
+        plan, skipped = texts(AutoTokenizer.from_pretrained(args.model_path), contexts,
                               args.steps, args.first_text + args.texts, args.text_file, builtin)
     except TextError as e:
         parser.error(str(e))
