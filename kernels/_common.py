@@ -28,6 +28,19 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+# --enable-deterministic-inference on a GPU (set by sfi_sglang.hooks): split-K counts are
+# chosen as for a batch of one, so that a row's reduction order, and with it the bits of its
+# output, do not depend on how many rows share its launch (each kernel cuts a row's own length
+# into that many chunks). Outside the mode the count fills the GPU for the batch at hand.
+BATCH_INVARIANT = False
+
+
+def split_programs(rows: int, heads: int) -> int:
+    """The program count a split-K choice plans for: rows x heads, or heads alone in the
+    batch-invariant mode."""
+    return heads if BATCH_INVARIANT else rows * heads
+
+
 def choose_num_splits(programs: int, max_len: int, block_n: int, device: torch.device,
                       min_blocks_per_split: int = 2, max_splits: int = 64,
                       programs_per_sm: int = 2, one_wave: bool = False) -> int:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, _online_update, _write_result, choose_num_splits, next_pow2,
+from ._common import (LOG2E, _online_update, _write_result, choose_num_splits, next_pow2, split_programs,
                       split_partials, splitk_reduce, use_triton)
 
 LN2 = tl.constexpr(math.log(2.0))
@@ -206,7 +206,7 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
     P = packed_k.shape[2]
     BLOCK_N = block_n or BLOCK_N_DEFAULT
     if num_splits is None:
-        num_splits = choose_num_splits(B * Hkv, P + (max_window or 512), BLOCK_N, q.device,
+        num_splits = choose_num_splits(split_programs(B, Hkv), P + (max_window or 512), BLOCK_N, q.device,
                                        min_blocks_per_split=2, max_splits=MAX_SPLITS_DEFAULT,
                                        programs_per_sm=2, one_wave=True)
     BLOCK_G = max(16, next_pow2(G))

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, num_sms, use_triton
+from ._common import next_pow2, num_sms, split_programs, use_triton
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -347,7 +347,7 @@ def fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg, block_n=None, worksp
     assert logits.stride(3) == 1
     BLOCK_N = block_n or 256
     BLOCK_R = max(2, next_pow2(R))
-    NS = _num_splits(B * H, N, BLOCK_N, dev)
+    NS = _num_splits(split_programs(B, H), N, BLOCK_N, dev)
     CHUNK = triton.cdiv(triton.cdiv(N, NS), BLOCK_N) * BLOCK_N
     BLOCK_S = MAX_SPLITS
     f32 = dict(dtype=torch.float32, device=dev)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, _online_update, _write_result, choose_num_splits, next_pow2,
+from ._common import (LOG2E, _online_update, _write_result, choose_num_splits, next_pow2, split_programs,
                       split_partials, splitk_reduce, use_triton)
 
 MAX_SPLITS = 128
@@ -97,7 +97,7 @@ def _dense_launch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
     if num_splits is None:
         # H200, 128K B=8, with scores: 16 splits 1062 us, 8: 1079, 5: 1197-1211, 17: 1245
         # (bench/NOTES.md): ~8 programs per SM, rounded down to a power of two.
-        num_splits = choose_num_splits(B * Hkv, max_len, BLOCK_N, q.device,
+        num_splits = choose_num_splits(split_programs(B, Hkv), max_len, BLOCK_N, q.device,
                                        min_blocks_per_split=4, max_splits=MAX_SPLITS, programs_per_sm=8)
         num_splits = 1 << (num_splits.bit_length() - 1)
     BLOCK_G = max(16, next_pow2(G))

@@ -61,7 +61,7 @@ def install() -> None:
     HookRegistry.register(f"{KV_CONFIGURATOR}._profile_available_bytes", _reserve_sfi_memory,
                           HookType.AROUND)
     HookRegistry.register(f"{MODEL_RUNNER}.maybe_enable_batch_invariant_mode",
-                          _batch_invariant_on_cpu, HookType.AROUND)
+                          _batch_invariant_mode, HookType.AROUND)
     # Under sgl_kernel's torch stand-in (a GPU without sglang-kernel, SFI_SGLANG_TORCH_KERNELS):
     # every CUDA model's MLP asks the CUTLASS DSL module whether its SM100 dual GEMM applies,
     # importing the nvidia-cutlass-dsl package that comes with sglang-kernel's stack. Without
@@ -73,18 +73,27 @@ def install() -> None:
                               _no_dual_gemm_without_cutlass, HookType.AROUND)
 
 
-def _batch_invariant_on_cpu(original, self, *args, **kwargs):
-    """--enable-deterministic-inference: SGLang's batch-invariant ops are GPU kernels and
-    raise on its CPU engine; there the CPU's own GEMM is made batch-invariant instead
-    (sfi_sglang.batch_invariant). The method is SGLang's switch for the mode, with no
-    extension point for another device."""
+def _batch_invariant_mode(original, self, *args, **kwargs):
+    """--enable-deterministic-inference. The method is SGLang's switch for the mode, with no
+    extension point for another device or for a backend's own kernels.
+    - CPU engine: SGLang's batch-invariant ops are GPU kernels and raise there; the CPU's
+      own GEMM is made batch-invariant instead (sfi_sglang.batch_invariant).
+    - GPU: SGLang's ops, and SFI's kernels pick their split-K counts as for a batch of one
+      (kernels._common.BATCH_INVARIANT): on the H200 dense SGLang gave a request the same
+      1,000 tokens alone and among 32 in this mode, SFI did not while its split counts
+      followed the batch (bench/results/garbage_h200.log)."""
     from sglang.srt.runtime_context import get_exec
 
-    if str(self.device).startswith("cpu") and get_exec().deterministic.enable_deterministic_inference:
+    if not get_exec().deterministic.enable_deterministic_inference:
+        return original(self, *args, **kwargs)
+    if str(self.device).startswith("cpu"):
         from sfi_sglang import batch_invariant
 
         batch_invariant.enable()
         return None
+    from sfi_sglang.kernels import _common
+
+    _common.BATCH_INVARIANT = True
     return original(self, *args, **kwargs)
 
 
