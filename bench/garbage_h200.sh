@@ -11,7 +11,10 @@
 #   here:   PYTHON=.venv/bin/python bash bench/sglang_h200.sh pack; python bench/smollm2_h200.py prepare
 #   device: the weights go over in chunks first (bench/smollm2_h200.py's docstring: one call per
 #           .wN, back to back, each copying it to /root/sfiw), then
-#           run(command="bash bench/garbage_h200.sh", carry=[".sgl", ".w0"])
+#           run(command='for p in sfi_default dense sfi_128; do PROBES=$p PROBE_S=180 setsid bash
+#               bench/garbage_h200.sh > /tmp/g_$p.out 2>&1; done; cp /tmp/g_*.out $OUT/', carry=[".sgl", ".w0"])
+#           (one probe per invocation: in session 11 a script given several stopped after the first,
+#           cause not found; the committed log came from calls like this one)
 # $OUT: garbage_h200_<run>.log, garbage_h200.log (the summary lines).
 set -uo pipefail
 source bench/sglang_h200.sh
@@ -19,17 +22,8 @@ unpack_site
 setup_sfi
 export PYTHONPATH=$PWD/.sgl/nh:$PYTHONPATH
 OUT=${OUT:-/tmp/garbage_out}; mkdir -p "$OUT"
-M=/root/sfiw/model
-mkdir -p $M && cp .sgl/tok/* $M/
-python3 - <<'PY' || exit 1
-import hashlib, json, pathlib, shutil
-m = json.loads(pathlib.Path(".w0/manifest.json").read_text())
-for rel, want in m.items():
-    src = pathlib.Path("/root/sfiw") / rel
-    assert hashlib.sha256(src.read_bytes()).hexdigest() == want["sha256"], rel
-    shutil.copy(src, f"/root/sfiw/model/{rel.split('/')[0].lstrip('.')}.safetensors")
-print("weights: every chunk's sha256 matches")
-PY
+real_weights || exit 1
+M=$SFI_REAL_MODEL
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/garbage_h200.log"
 trap '' QUIT  # SGLang's launcher sends SIGQUIT up its process tree when a child dies
 probe() {

@@ -184,6 +184,24 @@ setup_sfi() {
   export SGLANG_TRITON_SLOW_COMPILE_THRESHOLD_SECS=0
 }
 
+# The real SmolLM2 weights on the device: bench/smollm2_h200.py prepare's chunks (.w1-.w5, bf16),
+# copied to /root/sfiw by one call each, back to back (its docstring), and .w0 (the manifest)
+# carried by the calling run: checks every chunk's sha256 and lays out a model folder for
+# SGLang ($SFI_REAL_MODEL: .sgl/tok's config and tokenizer, one safetensors file per chunk).
+real_weights() {
+  export SFI_REAL_MODEL=/root/sfiw/model
+  mkdir -p $SFI_REAL_MODEL && cp .sgl/tok/* $SFI_REAL_MODEL/
+  python3 - <<'PY'
+import hashlib, json, pathlib, shutil
+m = json.loads(pathlib.Path(".w0/manifest.json").read_text())
+for rel, want in m.items():
+    src = pathlib.Path("/root/sfiw") / rel
+    assert hashlib.sha256(src.read_bytes()).hexdigest() == want["sha256"], rel
+    shutil.copy(src, f"/root/sfiw/model/{rel.split('/')[0].lstrip('.')}.safetensors")
+print("weights: every chunk's sha256 matches")
+PY
+}
+
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then
   case "${1:-}" in
     pack) sgl_pack
