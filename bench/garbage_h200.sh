@@ -18,10 +18,7 @@
 # $OUT: garbage_h200_<run>.log, garbage_h200.log (the summary lines).
 set -uo pipefail
 source bench/sglang_h200.sh
-unpack_site
-setup_sfi
-export PYTHONPATH=$PWD/.sgl/nh:$PYTHONPATH
-OUT=${OUT:-/tmp/garbage_out}; mkdir -p "$OUT"
+device_env garbage
 real_weights || exit 1
 M=$SFI_REAL_MODEL
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/garbage_h200.log"

@@ -12,10 +12,7 @@
 # $OUT: load_h200_{sfi,dense}.json (bench/load.py's JSON), load_h200.log, server logs.
 set -euo pipefail
 source bench/sglang_h200.sh
-unpack_site
-setup_sfi
-export PYTHONPATH=$PWD/.sgl/nh:$PYTHONPATH
-OUT=${OUT:-/tmp/load_out}; mkdir -p "$OUT"
+device_env load
 CLIENTS=${CLIENTS:-64} REQUESTS=${REQUESTS:-384}
 for mode in sfi dense; do
   if [ $mode = sfi ]; then flags=(--sfi-budget 128 --sfi-window 64); else flags=(--disable-sfi); fi

