@@ -40,6 +40,7 @@ for p in ${PROBES:-sfi_default dense sfi_128}; do
     dense) probe dense --disable-sfi ;;
     sfi_128) probe sfi_128 --budget 128 --window 64 ;;
     sfi_128_det) probe sfi_128_det --budget 128 --window 64 --deterministic ;;
+    sfi_default_det) probe sfi_default_det --budget 2048 --window 256 --deterministic ;;
     dense_det) probe dense_det --disable-sfi --deterministic ;;
   esac
 done

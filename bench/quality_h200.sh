@@ -10,15 +10,18 @@
 #   here:   PYTHON=.venv/bin/python bash bench/sglang_h200.sh pack; python bench/smollm2_h200.py prepare
 #   device: the weight chunks first (bench/smollm2_h200.py's docstring), then
 #           run(command="setsid bash bench/quality_h200.sh", carry=[".sgl", ".w0"])
+# One call per context fits the 600 s limit (eager steps, ~40 ms each): CONTEXTS=2048,4096 PASSKEY=''
+# then CONTEXTS=8000 APPEND=<the first call's JSON, committed>: its rows and this call's make one table.
 # $OUT: quality_h200.{json,md,png,_rate.png} (or quality_h200.partial.json if cut), quality_h200.log.
 set -uo pipefail
 source bench/sglang_h200.sh
 device_env quality
 real_weights || exit 1
 trap '' QUIT  # SGLang's launcher sends SIGQUIT up its process tree when a child dies
+[ -n "${APPEND:-}" ] && cp "$APPEND" "$OUT/quality_h200.json"
 timeout ${EVAL_S:-540} python3 -P -m sfi_sglang.cli eval quality --model-path "$SFI_REAL_MODEL" \
   --contexts ${CONTEXTS:-2048,4096,8000} --retention 0.15 --ablation-retention 0.15 \
   --texts ${TEXTS:-8} --steps 64 --mem-fraction-static 0.3 \
   --methods sfi,sfi-adaptive,sfi-adaptive-0.25,sfi-refresh-8,streaming,snapkv,quest \
-  --passkey-contexts 8000 --passkey-keys 10 --out "$OUT/quality_h200" 2>&1 \
+  --passkey-contexts "${PASSKEY-8000}" --passkey-keys 10 ${APPEND:+--append} --out "$OUT/quality_h200" 2>&1 \
   | grep -v 'Capturing\|it/s\]' | tee "$OUT/quality_h200.log"

@@ -584,9 +584,14 @@ class SFIAttnBackend(AttentionBackend):
         host-path rows of an eager step."""
         rows, lid = self.step.rows, layer.layer_id
         self._store_key_norms(k, layer, forward_batch, save_kv_cache)
-        if rows is None or (lid in self.cfg.dense_layers and not self._host_rows):
-            # a layer every request keeps dense: SGLang's own dense decode
-            return self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        if rows is None or lid in self.cfg.dense_layers:
+            # a layer the server keeps dense: SGLang's own dense decode, then the host-path
+            # rows that have a memory there (their own dense_layers)
+            o = self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+            if rows is not None and self._host_rows:
+                ov = o.view(o.shape[0], layer.tp_q_head_num, -1)
+                self._host_decode(lid, ov, q.reshape(ov.shape), *self._kv(lid), forward_batch, layer.scaling)
+            return o
         if save_kv_cache and k is not None and v is not None:
             self._save_kv(layer, forward_batch, k, v)
         with no_host_reads(self._sync_guard):

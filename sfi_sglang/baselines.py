@@ -46,12 +46,12 @@ def quest_positions(q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int, k: in
     num_pages = (hi - lo) // page
     take = min(k // page, num_pages)
     if take <= 0:
-        return torch.empty(q.shape[0], 0, dtype=torch.int64)
+        return torch.empty(q.shape[0], 0, dtype=torch.int64, device=q.device)
     blk = keys[lo: lo + num_pages * page].float().reshape(num_pages, page, *keys.shape[1:])
     kmin, kmax = blk.amin(dim=1), blk.amax(dim=1)  # [P, H, D]
     qf = q.float()[:, :, None, :]  # [H, G, 1, D]
     bound = torch.maximum(qf * kmin.transpose(0, 1)[:, None], qf * kmax.transpose(0, 1)[:, None])
     score = bound.sum(-1).amax(dim=1)  # [H, P]
     pages = score.topk(take, dim=-1).indices.sort(dim=-1).values  # [H, take]
-    pos = lo + pages[:, :, None] * page + torch.arange(page)
+    pos = lo + pages[:, :, None] * page + torch.arange(page, device=pages.device)
     return pos.reshape(q.shape[0], -1)

@@ -46,7 +46,7 @@ def test_eval_quality_smoke(tmp_path):
         assert 0.0 <= g["kl_ci"][0] <= g["mean_kl"] <= g["kl_ci"][1]
     md = out.with_suffix(".md").read_text()
     assert "| sfi |" in md and "95% CI" in md and "t-interval" in md and "slow-step rate" in md
-    assert out.with_suffix(".png").stat().st_size > 1000
+    assert not out.with_suffix(".png").exists()  # one retention: no curves to draw
     assert out.with_name(out.name + "_rate.png").stat().st_size > 1000  # KL against slow-step rate
 
 
