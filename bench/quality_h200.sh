@@ -10,9 +10,10 @@
 #   here:   PYTHON=.venv/bin/python bash bench/sglang_h200.sh pack; python bench/smollm2_h200.py prepare
 #   device: the weight chunks first (bench/smollm2_h200.py's docstring), then
 #           run(command="setsid bash bench/quality_h200.sh", carry=[".sgl", ".w0"])
-# One call per context fits the 600 s limit (eager steps, ~40 ms each): CONTEXTS=2048,4096 PASSKEY=''
+# The run does not fit one call's 600 s (eager steps, ~65 ms each; 4-5 s per 64-step run): CONTEXTS=2048,4096 PASSKEY=''
 # then CONTEXTS=8000 APPEND=<the first call's JSON, committed>: its rows and this call's make one table.
-# $OUT: quality_h200.{json,md,png,_rate.png} (or quality_h200.partial.json if cut), quality_h200.log.
+# $OUT: quality_h200.{json,md,_rate.png} (or quality_h200.partial.json if cut), quality_h200.log
+# (no quality_h200.png: one retention, no retention curve).
 set -uo pipefail
 source bench/sglang_h200.sh
 device_env quality

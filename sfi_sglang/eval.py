@@ -404,9 +404,8 @@ def plot(result: dict, path: Path) -> None:
 
     groups = (result.get("summary") or summary(result["rows"]))["teacher_forced"]
     plot_rate(groups, path.with_name(path.stem + "_rate.png"))
-    if not any(len({g["retention"] for g in groups if (g["method"], g["context"]) == (h["method"], h["context"])}) > 1
-               for h in groups):
-        return  # one retention per method: no curves, the rate plot says it all
+    if len({(g["method"], g["context"], g["retention"]) for g in groups}) == len({(g["method"], g["context"]) for g in groups}):
+        return  # one retention per method and context: no curve to draw, the rate plot says it all
     contexts = sorted({g["context"] for g in groups}) or [0]
     fig, axes = plt.subplots(2, len(contexts), figsize=(5 * len(contexts), 7), squeeze=False)
     for c, ctx in enumerate(contexts):
