@@ -1,0 +1,88 @@
+"""Paired differences of a quality result's methods against one of them, text by text, and
+the speed price of each SFI row at its measured slow-step rate.
+
+`sfi-sglang eval quality` gives each method's interval on its own; two methods scored on the
+same texts are compared more sharply by the per-text difference (the text is the unit, as in
+the eval's own intervals). For each context and retention: method minus `--against` in mean
+KL and top-1 agreement, with the 95% t-interval over the texts both scored.
+
+`--price`: the graphed harness's refresh curve (bench/plot_refresh.py's JSON): per shape, a
+least-squares line of SFI's step time against the slow-step rate through its measured rates,
+read at each SFI row's rate of `--price-context`; adaptive rows add the trigger signal's cost,
+adaptive minus interval step time of bench/adaptive_h200.sh's two JSONs (`--signal`), where
+that shape was measured.
+  python bench/paired_quality.py bench/results/quality_h200.json --against quest \
+      --price bench/results/refresh_h200.json > bench/results/quality_h200_paired.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from sfi_sglang.eval import mean_ci, summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("result", help="a JSON written by `sfi-sglang eval quality`")
+    ap.add_argument("--against", default="quest", help="the reference method")
+    ap.add_argument("--price", help="a refresh curve JSON (bench/plot_refresh.py)")
+    ap.add_argument("--price-context", type=int, default=8000)
+    ap.add_argument("--signal", nargs=2, metavar=("INTERVAL", "ADAPTIVE"),
+                    default=["bench/results/adaptive_h200_interval.json",
+                             "bench/results/adaptive_h200_adaptive.json"])
+    args = ap.parse_args()
+    rows = json.load(open(args.result))["rows"]
+    by: dict[tuple, dict] = {}
+    for r in rows:
+        if r["kind"] == "teacher_forced":
+            by.setdefault((r["context"], r["retention"], r["method"]), {})[r["text"]] = r
+
+    def ci(values, scale=1.0, fmt="+.4f"):
+        m, lo, hi = mean_ci(values)
+        return f"{m * scale:{fmt}}" + ("" if lo is None else f" [{lo * scale:{fmt}}, {hi * scale:{fmt}}]")
+
+    print(f"| context | retention | method | texts | mean KL - {args.against}'s (nat) [95% CI] "
+          f"| top-1 - {args.against}'s (points) [95% CI] |")
+    print("|---|---|---|---|---|---|")
+    for (ctx, ret, m), texts in sorted(by.items()):
+        ref = by.get((ctx, ret, args.against))
+        if ref is None or m == args.against:
+            continue
+        common = sorted(set(texts) & set(ref))
+        if not common:
+            continue
+        dkl = [texts[t]["mean_kl"] - ref[t]["mean_kl"] for t in common]
+        dtop = [texts[t]["top1_agreement"] - ref[t]["top1_agreement"] for t in common]
+        print(f"| {ctx} | {ret:.0%} | {m} | {len(common)} | {ci(dkl)} | {ci(dtop, 100, '+.1f')} |")
+    print("\nIntervals: 95% Student t-interval over the per-text differences (text = unit).")
+    if args.price:
+        price(rows, args)
+
+
+def price(rows: list[dict], args) -> None:
+    rates = {g["method"]: g["slow_rate"] for g in summary(rows)["teacher_forced"]
+             if g["context"] == args.price_context and g["method"].startswith("sfi")}
+    interval, adaptive = ({(r["context"], r["batch"]): r["sfi_step_ms"] for r in json.load(open(f))["rows"]}
+                          for f in args.signal)
+    signal = {f"{c}x{b}": adaptive[c, b] - interval[c, b] for c, b in interval if (c, b) in adaptive}
+    methods = sorted(rates, key=rates.get)
+    print(f"\nSFI / dense decode tokens/s at each SFI row's slow-step rate (context {args.price_context}):\n")
+    print("| shape | step ms = a + b r | " + " | ".join(f"{m} (1/{1 / rates[m]:.0f})" for m in methods) + " |")
+    print("|---|---|" + "---:|" * len(methods))
+    for shape, pts in json.load(open(args.price))["curve"].items():
+        xs, ys = [p["slow_rate"] for p in pts], [p["sfi_step_ms"] for p in pts]
+        dense = sum(p["dense_step_ms"] for p in pts) / len(pts)
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        a = my - b * mx
+        cells = [dense / (a + b * rates[m] + (signal.get(shape, 0.0) if "adaptive" in m else 0.0))
+                 for m in methods]
+        print(f"| {shape} | {a:.2f} + {b:.2f} r | " + " | ".join(f"{c:.2f}x" for c in cells) + " |")
+    print("\nAdaptive rows add the signal's cost (ms per step): "
+          + ", ".join(f"{k} {v:+.3f}" for k, v in signal.items()) + "; none where not measured.")
+
+
+if __name__ == "__main__":
+    main()
