@@ -4,7 +4,7 @@ Issue 4 item 5; predictions and outcomes in bench/NOTES.md section 8. Needs Flas
 importable (bench/flashinfer_h200.sh unpacks a trimmed copy and runs this):
     python3 bench/flashinfer_h200.py --out $OUT
 
-Both paths run through SparseMemory (sfi_sglang/memory.py), the backend's code:
+Both paths run through SparseMemory (sfi_sglang/method/memory.py), the backend's code:
   triton      store packs sinks + selected; attend_fast = one kernels.fast_decode launch
   flashinfer  store packs nothing; plan_fast once per step (host); attend_fast = one Triton
               launch writing the page lists + one FlashInfer BatchDecode launch (page size 1,
@@ -185,10 +185,11 @@ def run_config(N, B, l2, use_tc):
 
 
 def e2e(n=8192, b=4, steps=48):
-    """The backend end to end (sfi_sglang.bench's harness, Qwen3-4B shape, dummy weights,
+    """The backend end to end (bench/harness.py, Qwen3-4B shape, dummy weights,
     eager steps): the same SFI decode with each fast path; same tokens? time per step."""
-    from sfi_sglang import bench
-    from sfi_sglang.backend import ACTIVE
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import harness as bench
+    from sfi_sglang.integration import state
 
     model = bench.DummyModel(bench.SHAPES["qwen3-4b"], torch.bfloat16, DEV)
     first = torch.arange(b, device=DEV) + 100
@@ -214,7 +215,7 @@ def e2e(n=8192, b=4, steps=48):
         ref_ids = out["triton"]["ids"] if fp == "flashinfer" else ids
         out[fp] = {"ids": ids, "step_ms": t / steps * 1e3, "slow_steps": slow,
                    "forced": forced(st, ref_ids[:, :steps])}
-        ACTIVE.remove(st.sfi)
+        state.BACKENDS.remove(st.sfi)
         del st, run
         torch.cuda.empty_cache()
     a, c = out["triton"]["ids"], out["flashinfer"]["ids"]

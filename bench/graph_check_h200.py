@@ -1,12 +1,12 @@
 """Issue #14 item 4 on the GPU: the `sfi` backend's decode step under CUDA graphs (the GPU
-harness of sfi_sglang/bench.py: the product's backend over SGLang-layout pools).
+harness of bench/harness.py: the product's backend over SGLang-layout pools).
 
 Checks, each printed as one JSON line and collected in OUT/graph_check_h200.json:
   1. tokens equal with graphs on and off: the same requests decoded eagerly and through
      one CUDA graph of the whole step (StepPlan in the graph, the slow pass in a
      conditional node), over a batch mixing fast, slow, dense-layer and SFI-off rows;
   2. no host sync inside a replayed step: torch.cuda.set_sync_debug_mode("error") around
-     the host part (_out_graph) and the replay of 16 steps;
+     the host part (init_forward_metadata_out_graph) and the replay of 16 steps;
   3. the conditional node exists in this torch (CUDAGraph.begin_capture_to_if_node).
 Run from the repo root with sfi_sglang importable (bench/throughput_h200.sh lays it out):
   python bench/graph_check_h200.py --out $OUT
@@ -45,14 +45,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
 
-    from sfi_sglang import bench
-    from sfi_sglang.backend import ACTIVE
-    from sfi_sglang.config import SFIConfig
-    from sfi_sglang.requests import Request
-    from sfi_sglang.step import _HAS_IF_NODE, run_if
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import harness as bench
+    from sfi_sglang.integration import state
+    from sfi_sglang.method.config import SFIConfig
+    from sfi_sglang.integration.graph_if import HAS_IF_NODE, run_if
+    from sfi_sglang.integration.slots import Request
 
     dev, dtype = "cuda", torch.bfloat16
-    from sfi_sglang import graph_if
+    from sfi_sglang.integration import graph_if
 
     res_if = {"graph_if_available": graph_if.available(), "graph_if_error": graph_if.error()}
     if res_if["graph_if_available"]:  # a toy IF node: the body runs only where pred holds
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
             got.append(float(x[0]))
         res_if["toy_if_node"] = got  # expect [1, 12, 13]
     print(json.dumps(res_if), flush=True)
-    res = {**res_if, "torch": torch.__version__, "if_node": _HAS_IF_NODE,
+    res = {**res_if, "torch": torch.__version__, "if_node": HAS_IF_NODE,
            "raw_cuda_graph": hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph"),
            "cuda_bindings": _has("cuda.bindings.runtime"), "cupy": _has("cupy")}
     print(json.dumps(res), flush=True)
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
         """Row 1: SFI off (a dense row); row 2: layer 5 dense too (its own dense layers)."""
         reset(ids)
         if B > 1:
-            be._start_slot(slots[1], Request(cfg, False, rid=st.fb.rids[1]))
+            be.slots.start(slots[1], Request(cfg, False, rid=st.fb.rids[1]))
         if B > 2:
             be.step.dense[slots[2], 5] = True
 
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(16):
-            be._out_graph(st.fb)
+            be.init_forward_metadata_out_graph(st.fb)
             graph.replay()
             st.advance(out_ids)
     except RuntimeError as e:  # a synchronizing call raises in "error" mode
@@ -142,12 +143,12 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     res.update(no_sync_in_replayed_steps=sync_ok, sync_error=err)
     print(json.dumps(res), flush=True)
-    ACTIVE.clear()
+    state.BACKENDS.clear()
     os.makedirs(args.out, exist_ok=True)
     name = "graph_check_h200" + ("_adaptive" if args.refresh == "adaptive" else "")
     with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(res, f, indent=1)
-    return 0 if same and sync_ok and (_HAS_IF_NODE or res_if["graph_if_available"]) else 1
+    return 0 if same and sync_ok and (HAS_IF_NODE or res_if["graph_if_available"]) else 1
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ Does:
      real Qwen3-4B shapes (H_q=32, H_kv=8, D=128, bf16).
   3. Timing at N in {8K, 32K, 128K} x B in {1, 8}: dense SDPA baseline, our dense
      kernel with and without scores, the fast kernel (P = 2052 packed + 256 window),
-     pack, the torch Selector (if sfi_sglang/selector.py imports), key-norm store.
+     pack, the torch Selector (if sfi_sglang/method/selector.py imports), key-norm store.
      Each op is timed two ways: triton.testing.do_bench median (L2 flushed before every
      rep) and CUDA-graph replays of many calls rotating over input sets whose total
      size exceeds 4x L2 (the number reported as primary).
@@ -44,13 +44,13 @@ def load_kernels():
 
 
 def load_selector():
-    import sfi_sglang.config as config  # noqa
-    import sfi_sglang.selector as selector  # noqa
+    import sfi_sglang.method.config as config  # noqa
+    import sfi_sglang.method.selector as selector  # noqa
     return selector, config
 
 
 def load_memory():
-    import sfi_sglang.memory as memory  # noqa
+    import sfi_sglang.method.memory as memory  # noqa
     return memory
 
 

@@ -106,7 +106,7 @@ def engine_kwargs(args, engine: str, path: str, ctx: int, batch: int) -> dict:
             # no prefill graphs (their capture ran out of memory at mem-fraction 0.85)
             kw.update(cuda_graph_bs_decode=sorted({1, batch}), disable_prefill_cuda_graph=True)
     if engine == "sfi":
-        from sfi_sglang.config import SFIConfig
+        from sfi_sglang.method.config import SFIConfig
 
         kw.update(sfi_refresh="interval", sfi_max_interval=args.slow_every,
                   sfi_min_gap=min(args.slow_every, SFIConfig().min_gap))

@@ -166,7 +166,7 @@ EOF
 # (a dist-info), and the sgl_kernel start-up hook in every process (the wheel's .pth works
 # only in site-packages; a sitecustomize on PYTHONPATH does the same). Then SGLang's CUDA
 # modules get sgl_kernel's torch stand-in and its fused ops their forward_native
-# (sfi_sglang/sgl_kernel_standin.py).
+# (sfi_sglang/integration/sgl_kernel_standin.py).
 setup_sfi() {
   source "$(dirname "${BASH_SOURCE[0]}")/layout.sh"
   sfi_site /root/site
@@ -232,7 +232,7 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then
   python3 -c 'import sglang, torch, triton; print("sglang", sglang.__version__, "torch", torch.__version__, "triton", triton.__version__)'
   python3 -P -c 'import sfi_sglang, sfi_sglang.kernels, sfi_sglang.router; print("sfi_sglang:", sfi_sglang.__file__, "kernels:", sfi_sglang.kernels.__file__)'
   if [ "${1:-}" = imports ]; then
-    exec python3 -P -c 'import sgl_kernel, sglang.srt.entrypoints.engine, sglang.srt.managers.scheduler, sglang.srt.models.qwen3, sglang.srt.layers.attention.triton_backend, sfi_sglang.backend; print("imports ok; sgl_kernel:", sgl_kernel.SFI_TORCH_STANDIN)'
+    exec python3 -P -c 'import sgl_kernel, sglang.srt.entrypoints.engine, sglang.srt.managers.scheduler, sglang.srt.models.qwen3, sglang.srt.layers.attention.triton_backend, sfi_sglang.integration.backend; print("imports ok; sgl_kernel:", sgl_kernel.SFI_TORCH_STANDIN)'
   fi
   # engine names before `--` (the old form) become --engines; one Python process runs them all
   engines=()

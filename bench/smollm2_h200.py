@@ -1,5 +1,5 @@
 """Issue #5 items 2 and 3 with REAL weights: SmolLM2-135M-Instruct (Llama) in the harness of
-sfi_sglang/bench.py (SGLang-layout pools, DenseBackend, HarnessSFIBackend = the product's
+bench/harness.py (SGLang-layout pools, DenseBackend, and the product's
 sfi backend, Runner/Setup), with a real prefill (DummyModel.prefill: causal attention in
 torch, K/V and key norms written into the pools) and the real boundary table of the
 tokenizer (boundary.boundary_tables, installed with backend.install_boundaries;
@@ -8,7 +8,7 @@ refresh="boundary", the product's default trigger policy).
   (a) context fits S + W + K: greedy dense vs SFI on a ~1.5K-token essay prompt, bf16 and
       fp32 (bf16 weights upcast): identical tokens? (with dense's top-2 logit margin)
   (b) context 4K > S + W + K (sinks 4, window 256, budget 512): SFI synchronous vs
-      asynchronous maintenance (backend.enable_async_maintenance()): identical tokens?
+      asynchronous maintenance (backend.selection.enable_async()): identical tokens?
       Time per step of dense, SFI sync, SFI async (CUDA graphs) and the slow steps.
 
 The GPU machine has no needlehaystack and the model reaches it in pieces (64 MiB per call),
@@ -47,9 +47,10 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sfi_sglang import bench  # noqa: E402
-from sfi_sglang.backend import ACTIVE  # noqa: E402
-from sfi_sglang.config import SFIConfig  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness as bench  # noqa: E402
+from sfi_sglang.integration import state  # noqa: E402
+from sfi_sglang.method.config import SFIConfig  # noqa: E402
 
 CHUNKS = [".w1", ".w2", ".w3", ".w4", ".w5"]
 META = ".w0"
@@ -78,7 +79,7 @@ def prepare(args) -> None:
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
-    from sfi_sglang.boundary import boundary_tables
+    from sfi_sglang.method.boundary import boundary_tables
     from sfi_sglang.model import default_model_path
 
     src = pathlib.Path(args.model or default_model_path())
@@ -189,11 +190,11 @@ def experiment(model, ids, cfg, steps, tables, device, graphs, do_async):
         "dense_ids": dense_ids.tolist(), "sfi_ids": sfi_ids.tolist(),
     }
     if do_async:
-        st.sfi.enable_async_maintenance()
+        st.sfi.selection.enable_async()
         arun = bench.Runner(st, graphs)
         arun.run_sfi(first, steps)
         a_ids, t_async, a_slow = arun.run_sfi(first, steps)
-        st.sfi.enable_async_maintenance(False)
+        st.sfi.selection.enable_async(False)
         a_ids = a_ids[0, :steps]
         aeq = a_ids == sfi_ids
         row.update({"async_step_ms": t_async / steps * 1e3, "async_slow_steps": a_slow,
@@ -201,7 +202,7 @@ def experiment(model, ids, cfg, steps, tables, device, graphs, do_async):
                     "async_first_diff_step": int((~aeq).nonzero()[0]) if not bool(aeq.all()) else None,
                     "async_ids": a_ids.tolist()})
         del arun
-    ACTIVE.remove(st.sfi)
+    state.BACKENDS.remove(st.sfi)
     del st, run
     if device == "cuda":
         torch.cuda.empty_cache()

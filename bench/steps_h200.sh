@@ -17,13 +17,13 @@ layers() {
     python -P bench/graph_check_h200.py --out $OUT 2>&1 | tee $OUT/graph_check_h200.log | tail -4
     python -P -m pytest -q -p no:cacheprovider --noconftest tests/test_memory.py tests/test_kernels.py -k "kernel or store or variant" 2>&1 | tail -3
     python -P bench/kernels_h200.py --phase floor --out $OUT 2>&1 | tee $OUT/kernels_h200_floor.log | grep -v '^  '
-    python -P -m sfi_sglang.cli bench throughput --parts-only --layers 2 --sfi-dense-layers "" \
+    python -P bench/harness.py --parts-only --layers 2 --sfi-dense-layers "" \
       --configs 8192x1,8192x8,32768x1,32768x8,131072x1,131072x8 --out $OUT/steps_h200 2>&1 | tee $OUT/steps_h200.log \
       | tr '\r' '\n' | grep '^{' | cut -c1-400
 }
 refresh() {
     for k in 8 16 24 48; do
-      python -P -m sfi_sglang.cli bench throughput --slow-every $k \
+      python -P bench/harness.py --slow-every $k \
         --configs 8192x1,8192x8,32768x1,32768x8,131072x1,131072x4 --out $OUT/refresh_h200_every$k 2>&1 \
         | tee $OUT/refresh_h200_every$k.log | tr '\r' '\n' | grep '^{' | cut -c1-300
     done

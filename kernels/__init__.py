@@ -18,6 +18,7 @@ _LAZY = {
     "store_selection": "pack",
     "fused_topk_key": "selector", "dense_decode": "slow_decode",
     "dense_decode_with_scores": "slow_decode", "topk_positions": "topk",
+    "set_batch_invariant": "_common",
 }
 
 

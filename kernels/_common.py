@@ -28,11 +28,17 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-# --enable-deterministic-inference on a GPU (set by sfi_sglang.hooks): split-K counts are
+# --enable-deterministic-inference on a GPU (set by sfi_sglang.integration.hooks): split-K counts are
 # chosen as for a batch of one, so that a row's reduction order, and with it the bits of its
 # output, do not depend on how many rows share its launch (each kernel cuts a row's own length
 # into that many chunks). Outside the mode the count fills the GPU for the batch at hand.
 BATCH_INVARIANT = False
+
+
+def set_batch_invariant(on: bool) -> None:
+    """Turn the batch-invariant split choice on or off (exported as sfi_sglang.kernels.set_batch_invariant)."""
+    global BATCH_INVARIANT
+    BATCH_INVARIANT = bool(on)
 
 
 def split_programs(rows: int, heads: int) -> int:

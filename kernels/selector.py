@@ -1,5 +1,5 @@
-"""Fused SFI Selector scores (steps 1-6 of SFI_SPEC.md) in five Triton launches, no host
-sync (CUDA-graph capturable). Same math as sfi_sglang/selector.py `select_scores`, in
+"""Fused SFI Selector scores (steps 1-6 of ../shared/SFI_SPEC.md) in five Triton launches, no host
+sync (CUDA-graph capturable). Same math as sfi_sglang/method/selector.py `select_scores`, in
 float32, with the per-(b, h) reductions over N done as split partials:
 
   1. _row_stats     per query row r: max / sum-exp of the logits over the candidates

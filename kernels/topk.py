@@ -2,7 +2,7 @@
 
 topk_positions(key [B, H, N] float32, k) -> [B, H, k] int64: the positions of the k
 largest keys of each row, in ascending position order, the positions whose key is -inf
-dropped and the tail padded with -1. The same function as sfi_sglang.selector's torch
+dropped and the tail padded with -1. The same function as sfi_sglang.method.selector's torch
 path (`torch.topk` + drop -inf + sort), with one documented tie rule:
 
     ties at the k-th value are broken by position, the lowest positions first

@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 import torch
 
-from sfi_sglang.boundary import boundary_tables, parse_boundary_spec
+from sfi_sglang.method.boundary import boundary_tables, parse_boundary_spec
 from sfi_sglang.router.messages import SFIBoundariesReqInput
 
 

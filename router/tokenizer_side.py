@@ -43,7 +43,7 @@ def init_tokenizer_manager(tm) -> None:
     if getattr(tm, "tokenizer", None) is not None:
         DETECTOR = BoundaryDetector(tm.tokenizer, tm.model_config.vocab_size)
         if sfi_enabled(tm):
-            from sfi_sglang.config import server_config
+            from sfi_sglang.method.config import server_config
 
             DETECTOR.tables(server_config().boundaries)  # built now, sent with the first request
     add_http_routes()
@@ -59,7 +59,7 @@ def send_startup(tm) -> None:
     if id(tm) in _STARTUP_SENT or DETECTOR is None or not sfi_enabled(tm):
         return
     _STARTUP_SENT.add(id(tm))
-    from sfi_sglang.config import server_config
+    from sfi_sglang.method.config import server_config
 
     tm._dispatch_to_scheduler(DETECTOR.message(server_config().boundaries, reply=False))
 

@@ -13,7 +13,7 @@ def __getattr__(name):
 
         return Engine
     if name == "SFIConfig":
-        from sfi_sglang.config import SFIConfig
+        from sfi_sglang.method.config import SFIConfig
 
         return SFIConfig
     raise AttributeError(f"module 'sfi_sglang' has no attribute {name!r}")

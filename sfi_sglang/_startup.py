@@ -8,11 +8,11 @@ interpreter start-up comes early enough in each of them.
 
 What it does: nothing, unless a process imports `sgl_kernel` and that import fails
 - on a machine without CUDA (the PyPI build of sgl_kernel needs libcuda): the module is
-  completed with the pure-torch CPU ops of `sfi_sglang.sgl_kernel_standin`;
+  completed with the pure-torch CPU ops of `sfi_sglang.integration.sgl_kernel_standin`;
 - on a CUDA machine, and only with SFI_SGLANG_TORCH_KERNELS=1 set: with that module's
   torch stand-ins for SGLang's CUDA ops (see there; bench/sglang_h200.sh).
 Where `sgl_kernel` imports fine, it is left exactly as it is.
-It also installs the filters of `sfi_sglang.quiet` for the known harmless warnings SGLang
+It also installs the filters of `sfi_sglang.integration.quiet` for the known harmless warnings SGLang
 issues while importing (named there). Keep this file free of heavy imports: it runs in every
 Python process of the environment.
 """
@@ -21,7 +21,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 
-from sfi_sglang import quiet as _quiet
+from sfi_sglang.integration import quiet as _quiet
 
 _NAME = "sgl_kernel"
 
@@ -48,7 +48,7 @@ class _FallbackLoader(importlib.abc.Loader):
             if mode is None:
                 raise ModuleNotFoundError(f"No module named {_NAME!r}", name=_NAME)
             reason = "sgl_kernel is not installed"
-        from sfi_sglang import sgl_kernel_standin
+        from sfi_sglang.integration import sgl_kernel_standin
 
         if mode == "cpu":
             sgl_kernel_standin.fill_module(module, reason)
@@ -63,7 +63,7 @@ class _SubmoduleLoader(importlib.abc.Loader):
         return None
 
     def exec_module(self, module):
-        from sfi_sglang.sgl_kernel_standin import fill_module_torch
+        from sfi_sglang.integration.sgl_kernel_standin import fill_module_torch
 
         fill_module_torch(module, sys.modules[_NAME].SFI_TORCH_STANDIN)
 
@@ -84,7 +84,7 @@ def _fallback_mode():
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if fullname.startswith(_NAME + ".") and hasattr(sys.modules.get(_NAME), "SFI_TORCH_STANDIN"):
-            from sfi_sglang.sgl_kernel_standin import NO_STANDIN_SUBMODULES
+            from sfi_sglang.integration.sgl_kernel_standin import NO_STANDIN_SUBMODULES
 
             if fullname.split(".", 1)[1] in NO_STANDIN_SUBMODULES:
                 return None  # ModuleNotFoundError: SGLang's own fallback takes over

@@ -1,4 +1,4 @@
-"""`sfi-sglang`: serve, generate, eval and bench, through stock SGLang with SFI."""
+"""`sfi-sglang`: serve, generate and eval, through stock SGLang with SFI."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from sfi_sglang.config import SFIConfigError, add_cli_args, config_from_args
+from sfi_sglang.method.config import SFIConfigError, add_cli_args, config_from_args
 
 
 def _sfi_parser(prog: str, add_help: bool) -> argparse.ArgumentParser:
@@ -136,26 +136,17 @@ def evaluate(argv: list[str]) -> int:
     return eval_main(argv[1:])
 
 
-def bench(argv: list[str]) -> int:
-    if not argv or argv[0] != "throughput":
-        print("usage: sfi-sglang bench throughput [options]   (--help for options)", file=sys.stderr)
-        return 2
-    from sfi_sglang.bench import main as bench_main
-
-    return bench_main(argv[1:])
-
-
-COMMANDS = {"serve": serve, "generate": generate, "eval": evaluate, "bench": bench}
+COMMANDS = {"serve": serve, "generate": generate, "eval": evaluate}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: sfi-sglang {serve,generate,eval,bench} [options]\n\n"
+        print("usage: sfi-sglang {serve,generate,eval} [options]\n\n"
               "  serve     launch SGLang's HTTP server with SFI (any `sglang serve` option)\n"
               "  generate  one completion on the command line\n"
               "  eval      eval quality: SFI and baselines against dense\n"
-              "  bench     bench throughput: decode tokens/s, SFI vs dense\n\n"
+              "\n"
               "`sfi-sglang COMMAND --help` lists a command's options.",
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from sfi_sglang.config import SFIConfig, export_config
+from sfi_sglang.method.config import SFIConfig, export_config
 
 # SGLang settings for its CPU engine (SGLANG_USE_CPU_ENGINE=1). A user's own value wins.
 CPU_DEFAULTS: dict[str, Any] = {
@@ -89,9 +89,9 @@ def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict
             )
         out["attention_backend"] = "sfi"
         # SFI keeps SGLang's CUDA graphs and overlap scheduler (its decode step is device
-        # work: sfi_sglang.step). Without graphs, per-request options that the device step
-        # cannot serve are allowed too (sfi_sglang.requests.on_device_path).
-        from sfi_sglang.requests import EAGER_ENV
+        # work: sfi_sglang.method.step). Without graphs, per-request options that the device step
+        # cannot serve are allowed too (sfi_sglang.method.options.on_device_path).
+        from sfi_sglang.method.options import EAGER_ENV
 
         os.environ[EAGER_ENV] = "1" if out.get("disable_cuda_graph") else "0"
         if cfg.fast_path == "flashinfer" and has_gpu() and not out.get("disable_cuda_graph"):

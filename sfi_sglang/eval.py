@@ -77,8 +77,13 @@ class TeacherForce(CustomLogitProcessor):
         return logits
 
 
+def pending_results() -> int:
+    """Teacher-forcing scores kept for requests not yet reported (sfi_sglang.integration.hooks)."""
+    return len(_RESULTS)
+
+
 def pop_result(rid: str):
-    """The teacher-forcing score of a finished request (read by sfi_sglang.hooks)."""
+    """The teacher-forcing score of a finished request (read by sfi_sglang.integration.hooks)."""
     return _RESULTS.pop(rid, None)
 
 
@@ -289,7 +294,7 @@ def run(args, plan: dict) -> dict:
                                enable_custom_logit_processor=True, disable_radix_cache=True,
                                mem_fraction_static=args.mem_fraction_static,
                                # every method is a per-request config (budget, window, method):
-                               # the host path of sfi_sglang.requests, eager decode steps only
+                               # the host path of sfi_sglang.method.options, eager decode steps only
                                disable_cuda_graph=True)
     force = TeacherForce.to_str()
     tok = engine.tokenizer_manager.tokenizer

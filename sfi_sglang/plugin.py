@@ -16,14 +16,14 @@ def register() -> None:
         return
     _registered = True
     _trace()
-    from sfi_sglang import quiet
+    from sfi_sglang.integration import quiet
 
     quiet.install_log_filters()  # SGLang's known harmless log records (named there)
     _register_backend()
-    from sfi_sglang import hooks, radix
+    from sfi_sglang.integration import hooks, radix
 
     radix.register()  # the `sfi` radix cache: shared prefixes share SFI memories
-    from sfi_sglang import grammar
+    from sfi_sglang.integration import grammar
     from sfi_sglang.router import messages
 
     messages.register()  # boundary-table messages on SGLang's tokenizer <-> scheduler IPC
@@ -38,13 +38,13 @@ def _register_backend() -> None:
 
     if "sfi" not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices(["sfi"])
-    from sfi_sglang import batch_invariant
+    from sfi_sglang.integration import batch_invariant
 
     batch_invariant.register_backend_choices()  # --enable-deterministic-inference
 
     @register_attention_backend("sfi")
     def create_sfi_backend(runner):
-        from sfi_sglang.backend import SFIAttnBackend
+        from sfi_sglang.integration.backend import SFIAttnBackend
         from sfi_sglang.engine import dense_backend
 
         return SFIAttnBackend(runner, ATTENTION_BACKENDS[dense_backend()](runner))

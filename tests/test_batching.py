@@ -3,7 +3,7 @@ serve` (CPU engine, SmolLM2) under SGLang's --enable-deterministic-inference.
 
 Why the mode: SFI's slow steps pick positions by a top-k, a discrete choice, so the float
 noise of a GEMM whose result for a row depends on the batch's row count (the CPU's, below
-16 rows) changes a selection now and then, and with it the tokens; sfi_sglang.batch_invariant
+16 rows) changes a selection now and then, and with it the tokens; sfi_sglang.integration.batch_invariant
 makes the CPU engine's GEMMs batch-invariant in that mode (bench/results/batch_invariance_cpu.log
 has runs with and without it)."""
 
@@ -30,7 +30,7 @@ def server():
 def test_gemm_rows_do_not_depend_on_the_batch_in_the_mode():
     """What the mode changes on the CPU: a row's product is the same in a GEMM of 1, 3 or
     32 rows, with and without a bias (addmm), for 2-D and 3-D inputs."""
-    from sfi_sglang import batch_invariant
+    from sfi_sglang.integration import batch_invariant
 
     torch.manual_seed(0)
     w, b, x = torch.randn(1536, 576), torch.randn(1536), torch.randn(32, 576)

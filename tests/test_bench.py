@@ -1,6 +1,6 @@
-"""`sfi-sglang bench throughput` (sfi_sglang/bench.py) on the CPU at a tiny shape, and the
-`sfi` backend's kernel path (packed SparseMemory + Triton kernels, interpreted on CPU
-tensors) against its CPU reference path on the same decode steps (issue #4 item 8)."""
+"""The bench harness (bench/harness.py) on the CPU at a tiny shape, and the `sfi` backend's
+kernel path (packed SparseMemory + Triton kernels, interpreted on CPU tensors) against its
+CPU reference path on the same decode steps (issue #4 item 8)."""
 
 import json
 import os
@@ -11,7 +11,8 @@ import sys
 import pytest
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "sfi_sglang.cli", "bench", "throughput"]
+CLI = [sys.executable, "bench/harness.py"]
+sys.path.insert(0, str(_REPO / "bench"))  # the harness is not part of the package
 TINY = ["--shape", "tiny", "--dtype", "float32", "--device", "cpu", "--sfi-budget", "16",
         "--sfi-window", "8", "--sfi-sinks", "4", "--reps", "2"]
 
@@ -51,64 +52,67 @@ def test_bad_options_exit_2(args, fragment):
 
 
 _KERNEL_VS_REFERENCE = r"""
+import sys
 import torch
-from sfi_sglang import bench
-from sfi_sglang.backend import ACTIVE
-from sfi_sglang.config import SFIConfig
-from sfi_sglang.memory import SparseMemory
+sys.path.insert(0, "bench")
+import harness as bench
+from sfi_sglang.method.config import SFIConfig
 
+packed = sys.argv[1] == "kernel"
 torch.manual_seed(0)
 cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=(0,), refresh="interval",
                 max_interval=3, min_gap=1)
-kinds = lambda rows: {"slow" if s else "fast" for s in rows.slow.tolist()}
 model = bench.DummyModel(bench.SHAPES["tiny"], torch.float32, "cpu")
 s = model.s
-setups = [bench.Setup(model, cfg, n, 3, 8, "cpu", torch.float32) for n in (70, 70)]
-ref, ker = setups
-m = ker.sfi.memory
-ker.sfi.memory = SparseMemory(m.num_layers, m.sparse_layer_ids, m.max_slots, m.num_kv_heads,
-                              m.head_dim, cfg, "cpu", torch.float32, packed=True)
-assert ker.sfi.memory.packed and not ref.sfi.memory.packed
-first = torch.tensor([5, 7, 11])
-for st in setups:
-    st.reset(first)
-    st.sfi.step.dense[st.fb.req_pool_indices[1], 2] = True  # a row with its own dense layer 2
-kinds_seen = set()
+st = bench.Setup(model, cfg, 70, 3, 8, "cpu", torch.float32, packed=packed)
+mem = st.sfi.memory
+assert mem.packed == packed
+st.reset(torch.tensor([5, 7, 11]))
+st.sfi.step.dense[st.fb.req_pool_indices[1], 2] = True  # a row with its own dense layer 2
+record = []
 for step in range(6):
-    outs = []
-    for st in setups:
-        st.sfi.init_forward_metadata(st.fb)
-        kinds_seen |= kinds(st.sfi.step.rows)
-        g = torch.Generator().manual_seed(100 + step)
-        per_layer = []
-        for L in model.layers:
-            q = torch.randn(3, s.heads * s.head_dim, generator=g)
-            k = torch.randn(3, s.kv_heads, s.head_dim, generator=g)
-            v = torch.randn(3, s.kv_heads, s.head_dim, generator=g)
-            per_layer.append(st.sfi.forward_decode(q, k, v, L.attn, st.fb))
-        outs.append(torch.stack(per_layer))
-    assert torch.equal(ref.sfi.step.rows.slow, ker.sfi.step.rows.slow)
-    err = ((outs[0] - outs[1]).norm() / outs[0].norm()).item()
-    assert err < 1e-5, (step, ref.sfi.step.rows.slow, err)
-    for lid in ker.sfi.memory.sparse_layer_ids:
-        for slot in ker.fb.req_pool_indices.tolist():
-            assert torch.equal(ref.sfi.memory.selected(lid, slot), ker.sfi.memory.selected(lid, slot))
-    for st in setups:
-        st.advance(torch.tensor([1, 2, 3]))
-assert kinds_seen == {"fast", "slow"}, kinds_seen
+    st.sfi.init_forward_metadata(st.fb)
+    slow = st.sfi.meta.rows.slow.clone()
+    g = torch.Generator().manual_seed(100 + step)
+    per_layer = []
+    for L in model.layers:
+        q = torch.randn(3, s.heads * s.head_dim, generator=g)
+        k = torch.randn(3, s.kv_heads, s.head_dim, generator=g)
+        v = torch.randn(3, s.kv_heads, s.head_dim, generator=g)
+        per_layer.append(st.sfi.forward_decode(q, k, v, L.attn, st.fb))
+    record.append({"slow": slow, "out": torch.stack(per_layer), "sel_pos": mem.sel_pos.clone(),
+                   "sel_count": mem.sel_count.clone()})
+    st.advance(torch.tensor([1, 2, 3]))
+torch.save(record, sys.argv[2])
 print("OK")
 """
 
 
-def test_backend_kernel_path_equals_reference_path():
+def test_backend_kernel_path_equals_reference_path(tmp_path):
     """Same decode steps (slow, fast, fast, slow, ...) through the backend with the packed
-    kernel memory (Triton, interpreted; its slow steps select for every layer at once at the
-    step's end) and with the torch reference (layer by layer): same outputs, same
-    selections, also for a row with its own dense layer. TRITON_INTERPRET must be set before triton's import: a fresh process."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", _KERNEL_VS_REFERENCE], capture_output=True, text=True,
-                       timeout=900, cwd=str(_REPO), env=env)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    kernel memory (Triton, interpreted, in a process with TRITON_INTERPRET=1 set before
+    triton's import; its slow steps select for every layer at once at the step's end) and
+    with the torch reference (layer by layer, in a process without it): same outputs, same
+    selections, also for a row with its own dense layer."""
+    import torch
+
+    records = {}
+    for path, interpret in (("reference", "0"), ("kernel", "1")):
+        out = tmp_path / f"{path}.pt"
+        env = dict(os.environ, TRITON_INTERPRET=interpret)
+        r = subprocess.run([sys.executable, "-c", _KERNEL_VS_REFERENCE, path, str(out)], capture_output=True,
+                           text=True, timeout=900, cwd=str(_REPO), env=env)
+        assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+        records[path] = torch.load(out)
+    kinds = set()
+    for step, (ref, ker) in enumerate(zip(records["reference"], records["kernel"])):
+        assert torch.equal(ref["slow"], ker["slow"]), step
+        kinds |= {"slow" if x else "fast" for x in ref["slow"].tolist()}
+        err = ((ref["out"] - ker["out"]).norm() / ref["out"].norm()).item()
+        assert err < 1e-5, (step, ref["slow"], err)
+        assert torch.equal(ref["sel_count"], ker["sel_count"]), step
+        assert torch.equal(ref["sel_pos"], ker["sel_pos"]), step
+    assert kinds == {"fast", "slow"}, kinds
 
 
 def test_real_smollm2_fits_budget_sfi_equals_dense(model_path, tokenizer):
@@ -119,9 +123,9 @@ def test_real_smollm2_fits_budget_sfi_equals_dense(model_path, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from sfi_sglang import bench
-    from sfi_sglang.backend import ACTIVE
-    from sfi_sglang.config import SFIConfig
+    import harness as bench
+    from sfi_sglang.integration import state
+    from sfi_sglang.method.config import SFIConfig
 
     torch.manual_seed(0)
     path = pathlib.Path(model_path)
@@ -153,7 +157,7 @@ def test_real_smollm2_fits_budget_sfi_equals_dense(model_path, tokenizer):
         assert n_slow == 2  # timed steps 3 and 6 (the first step selects)
         assert torch.equal(dense_ids, sfi_ids[:, :steps]), (dense_ids, sfi_ids)
     finally:
-        ACTIVE.remove(st.sfi)
+        state.BACKENDS.remove(st.sfi)
 
 
 def test_real_sglang_throughput_driver(tmp_path):
@@ -184,15 +188,15 @@ from types import SimpleNamespace
 import torch
 sys.path.insert(0, "tests")
 from test_kernels import recorded_variants
-from sfi_sglang import bench
-import sfi_sglang.backend as backend
-import sfi_sglang.selector as S
-from sfi_sglang.config import SFIConfig
-from sfi_sglang.memory import SparseMemory
+sys.path.insert(0, "bench")
+import harness as bench
+import sfi_sglang.method.selector as S
+from sfi_sglang.integration.warmup import warm_up
+from sfi_sglang.method.config import SFIConfig
 
 # on CUDA tensors select() takes the Selector's kernels and the top-k kernel; on these
 # CPU ones (interpreted), ask for them
-backend.select = functools.partial(backend.select, fused=True)
+S.select = functools.partial(S.select, fused=True)
 S._top_k_from_key = lambda key, k: S._topk_kernel()(key, k)
 
 cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=(0,), refresh="interval",
@@ -200,19 +204,16 @@ cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=(0,), refresh="interv
 model = bench.DummyModel(bench.SHAPES["tiny"], torch.float32, "cpu")
 s = model.s
 for n in (70, 600):  # score buffers capped at req_to_token's width, and not
-    st = bench.Setup(model, cfg, n, 3, 8, "cpu", torch.float32)
-    m = st.sfi.memory
-    st.sfi.memory = SparseMemory(m.num_layers, m.sparse_layer_ids, m.max_slots, m.num_kv_heads,
-                                 m.head_dim, cfg, "cpu", torch.float32, packed=True)
+    st = bench.Setup(model, cfg, n, 3, 8, "cpu", torch.float32, packed=True)
     with recorded_variants() as warm:
-        st.sfi.warm_up(s.heads)
-    assert not st.sfi.memory.sel_count[1:3].any() and not st.sfi.requests, "warm-up slots not reset"
+        warm_up(st.sfi)
+    assert not st.sfi.memory.sel_count[1:3].any() and not st.sfi.slots.requests, "warm-up slots not reset"
     with recorded_variants() as keys:
         st.reset(torch.tensor([5, 7, 11]))
         kinds = set()
         for step in range(6):
             st.sfi.init_forward_metadata(st.fb)
-            kinds |= {"slow" if x else "fast" for x in st.sfi.step.rows.slow.tolist()}
+            kinds |= {"slow" if x else "fast" for x in st.sfi.meta.rows.slow.tolist()}
             g = torch.Generator().manual_seed(step)
             for L in model.layers[1:]:  # layer 0 is dense: the harness's own dense backend
                 q = torch.randn(3, s.heads * s.head_dim, generator=g)
@@ -225,7 +226,7 @@ for n in (70, 600):  # score buffers capped at req_to_token's width, and not
         ext = SimpleNamespace(extend_start_loc=torch.arange(3) * rows, extend_seq_lens=torch.full((3,), rows),
                               req_pool_indices=st.fb.req_pool_indices, seq_lens=st.fb.seq_lens)
         for L in model.layers[1:]:
-            st.sfi._bootstrap(torch.randn(3 * rows, s.heads * s.head_dim), L.attn, ext)
+            st.sfi.bootstrap(torch.randn(3 * rows, s.heads * s.head_dim), L.attn, ext)
     assert {"_fast_decode_kernel", "_row_stats_kernel", "_write_kernel", "_store_kernel", "_pool_kernel"} <= set(keys)
     new = sorted(name for name, v in keys.items() if not v <= warm.get(name, set()))
     assert not new, f"compiled after the warm-up: {new}"
@@ -234,7 +235,7 @@ print("OK")
 
 
 def test_warm_up_compiles_what_decode_steps_launch():
-    """SFIAttnBackend.warm_up, run at start, launches every kernel variant that decode steps
+    """integration.warmup.warm_up, run when the backend is made, launches every kernel variant that decode steps
     (slow and fast rows) launch later: no request waits for a compile. Triton's cache key
     of each launch (test_kernels._variant_key) under the interpreter, in a fresh process."""
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -251,9 +252,9 @@ def test_skipped_and_always_run_slow_pass_decode_the_same(monkeypatch):
     row would make every layer run the pass: bench/graph_check_h200.py has one on the GPU)."""
     import torch
 
-    from sfi_sglang import backend, bench
-    from sfi_sglang.backend import ACTIVE
-    from sfi_sglang.config import SFIConfig
+    import harness as bench
+    from sfi_sglang.integration import graph_if, state
+    from sfi_sglang.method.config import SFIConfig
 
     cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=(0,), refresh="interval",
                     max_interval=3, min_gap=1)
@@ -262,7 +263,7 @@ def test_skipped_and_always_run_slow_pass_decode_the_same(monkeypatch):
     runs = []
     for always in (False, True):
         if always:
-            monkeypatch.setattr(backend, "run_if", lambda pred, body: body())
+            monkeypatch.setattr(graph_if, "run_if", lambda pred, body: body())
         st = bench.Setup(model, cfg, 70, 3, 12, "cpu", torch.float32)
         be, reset = st.sfi, st.reset
         slots = st.fb.req_pool_indices.tolist()
@@ -276,7 +277,7 @@ def test_skipped_and_always_run_slow_pass_decode_the_same(monkeypatch):
             ids, _, slow = bench.Runner(st, False).run_sfi(first, 10)
             runs.append((ids, slow, be.memory.sel_pos.clone(), be.memory.counts.clone()))
         finally:
-            ACTIVE.remove(be)
+            state.BACKENDS.remove(be)
     (ids0, slow0, sel0, counts0), (ids1, slow1, sel1, counts1) = runs
     assert slow0 >= 2 and torch.equal(ids0, ids1) and slow0 == slow1
     assert torch.equal(sel0, sel1) and torch.equal(counts0, counts1)

@@ -6,7 +6,7 @@ import sys
 
 from conftest import REPO, product_env, sfi_cli
 
-from sfi_sglang.quiet import HARMLESS_LOGS, HARMLESS_WARNINGS
+from sfi_sglang.integration.quiet import HARMLESS_LOGS, HARMLESS_WARNINGS
 
 
 def test_generate_prints_an_answer():
@@ -26,8 +26,8 @@ def test_generate_prints_an_answer():
 
 _FILTER_PROBE = r"""
 import logging, sys, warnings
-from sfi_sglang import quiet
-from sfi_sglang.quiet import HARMLESS_LOGS, HARMLESS_WARNINGS
+from sfi_sglang.integration import quiet
+from sfi_sglang.integration.quiet import HARMLESS_LOGS, HARMLESS_WARNINGS
 quiet.install_log_filters()
 logging.basicConfig(stream=sys.stderr, format="LOG %(name)s %(levelname)s %(message)s")
 for category, message, module, _ in HARMLESS_WARNINGS:

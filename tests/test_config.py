@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from sfi_sglang.config import SFIConfig, SFIConfigError, cli_name, parse_layers
+from sfi_sglang.method.config import SFIConfig, SFIConfigError, cli_name, parse_layers
 
 
 def test_defaults_match_spec():
@@ -20,7 +20,7 @@ def test_defaults_match_spec():
     # measured defaults that differ from the spec (README, issue 8): soft-NMS off,
     # neighbourhood pooling +-3 on
     assert c.use_prior and not c.use_nms and c.use_exclusivity and c.pool_radius == 3
-    assert c.memory_size == 4 + 2048
+    assert (c.sinks, c.budget) == (4, 2048)
 
 
 def test_frozen():
@@ -69,7 +69,7 @@ def test_validation_names_option(kw, needle):
 def test_valid_edge_values():
     c = SFIConfig(sinks=0, cooldown=0, nms_radius=0, alpha=0.0, lambda_max_single=1.0,
                   min_gap=96, boundaries="none", fusion="geometric", refresh="interval")
-    assert c.memory_size == 2048
+    assert (c.sinks, c.budget) == (0, 2048)
 
 
 def test_int_for_float_is_coerced():
@@ -125,8 +125,8 @@ def test_from_dict_rejects_unknown_keys():
 def test_graph_servers_take_only_device_path_options(monkeypatch, opts, ok):
     """With CUDA graphs (EAGER_ENV "0"), per-request options outside the device step are
     refused with a message that says what to do; eager servers take them all."""
-    from sfi_sglang.config import SFIConfigError
-    from sfi_sglang.requests import EAGER_ENV, request_config
+    from sfi_sglang.method.config import SFIConfigError
+    from sfi_sglang.method.options import EAGER_ENV, request_config
 
     server = SFIConfig()
     params = {"sfi": opts}
@@ -144,8 +144,8 @@ def test_clients_cannot_set_the_internal_boundary_ids_key():
     """custom_params["sfi_extra_boundary_ids"] is what the tokenizer side resolves a
     request's extra_boundaries spec into; a client that sets it gets a 400 (SFIConfigError),
     and custom_params that are not an object stay SGLang's business."""
-    from sfi_sglang.hooks import _resolve_extra_boundaries
-    from sfi_sglang.requests import EXTRA_IDS_KEY
+    from sfi_sglang.integration.hooks import _resolve_extra_boundaries
+    from sfi_sglang.method.options import EXTRA_IDS_KEY
 
     with pytest.raises(SFIConfigError, match="internal"):
         _resolve_extra_boundaries({EXTRA_IDS_KEY: [10**12, -5]})
@@ -156,7 +156,7 @@ def test_clients_cannot_set_the_internal_boundary_ids_key():
 def test_request_options_are_checked_against_the_model(monkeypatch):
     """On the tokenizer side (with the model's shape) a request's dense layers must exist
     and its token counts fit the context length; the server's own values are not re-checked."""
-    from sfi_sglang.requests import EAGER_ENV, ModelLimits, request_config
+    from sfi_sglang.method.options import EAGER_ENV, ModelLimits, request_config
 
     monkeypatch.setenv(EAGER_ENV, "1")
     model = ModelLimits(num_layers=30, context_len=8192)
@@ -173,7 +173,7 @@ def test_request_options_are_checked_against_the_model(monkeypatch):
 def test_adaptive_refresh_needs_an_adaptive_server_and_one_tp_rank(monkeypatch):
     """A request's refresh "adaptive" is refused on a server launched without it (its fast
     steps do not report the trigger's log-sum-exp); the server option is refused with tp > 1."""
-    from sfi_sglang.requests import EAGER_ENV, request_config
+    from sfi_sglang.method.options import EAGER_ENV, request_config
 
     monkeypatch.setenv(EAGER_ENV, "0")
     with pytest.raises(SFIConfigError, match="--sfi-refresh adaptive"):

@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-from sfi_sglang.boundary import TriggerPolicy
-from sfi_sglang.config import SFIConfig
+from sfi_sglang.method.boundary import TriggerPolicy
+from sfi_sglang.method.config import SFIConfig
 from sfi_sglang.texts import long_text
 
 from conftest import GREEDY, chat_prompt, start_engine
@@ -63,7 +63,7 @@ def trace_file(tmp_path_factory):
 
 # The backend module is imported inside tests only: importing it at collection would import
 # the Triton kernels before test_kernels.py / test_memory.py set TRITON_INTERPRET=1.
-SYNC_GUARD_ENV = "SFI_SGLANG_SYNC_GUARD"  # sfi_sglang.backend.SYNC_GUARD_ENV
+SYNC_GUARD_ENV = "SFI_SGLANG_SYNC_GUARD"  # sfi_sglang.integration.graph_if.SYNC_GUARD_ENV
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def test_long_prompt_mostly_fast_and_slow_steps_where_policy_says(engine, dense,
 
 
 def test_host_read_guard_refuses_item_tolist_cpu():
-    from sfi_sglang.backend import SYNC_GUARD_ENV as env_name, no_host_reads
+    from sfi_sglang.integration.graph_if import SYNC_GUARD_ENV as env_name, no_host_reads
 
     assert env_name == SYNC_GUARD_ENV
     t = torch.arange(3)
@@ -163,7 +163,7 @@ def test_per_request_options_apply(engine, prompts):
     ({"fast_path": "flashinfer"}, "cannot differ from the server.s --sfi-fast-path"),
     ({"no_such_option": 1}, "no_such_option"),
     ({"enabled": "yes"}, "enabled"),
-    ("fast please", "must be an object"),
+    ("fast please", "must be a JSON object, got a string"),
 ])
 def test_bad_request_options_error_and_engine_keeps_serving(engine, prompts, bad, fragment):
     with pytest.raises(ValueError, match=fragment):

@@ -11,7 +11,7 @@ its cache-aware policy, over HTTP.
   request completes, and the gateway keeps serving.
 
 Which worker served a request is read from the workers themselves: each keeps the rids of
-its last finished requests (sfi_sglang.parallel.DECISIONS, in /sfi/stats "tp_ranks"), and
+its last finished requests (sfi_sglang.integration.parallel.DECISIONS, in /sfi/stats "tp_ranks"), and
 the tests give every request its own rid."""
 
 from __future__ import annotations

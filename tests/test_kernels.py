@@ -379,7 +379,7 @@ def test_topk_positions_exact(B, H, N, k, ties, block):
     assert out.dtype == torch.int64 and out.shape == (B, H, k)
     assert torch.equal(out.cpu(), ref)
     if not ties:                                # the Selector's torch path: same positions
-        from sfi_sglang.selector import _top_k_from_key_torch
+        from sfi_sglang.method.selector import _top_k_from_key_torch
         assert torch.equal(_top_k_from_key_torch(key, k).cpu(), ref)
 
 
@@ -438,7 +438,7 @@ def launch_decode_step_kernels():
     """Every kernel a decode step launches (fast step; slow step: dense attention with
     scores, the fused Selector, top-k, the store and pack; dense layers; key norms), driven as the
     backend drives it, over batch sizes 1-8 and contexts 300-1500."""
-    from sfi_sglang.config import SFIConfig
+    from sfi_sglang.method.config import SFIConfig
 
     cfg = SFIConfig()
     Hkv, G, D, S, W, Kc, bucket = 2, 4, 32, 4, 32, 64, 512

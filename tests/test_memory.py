@@ -1,8 +1,8 @@
-"""SparseMemory (sfi_sglang/memory.py): the torch reference path against float64 dense
+"""SparseMemory (sfi_sglang/method/memory.py): the torch reference path against float64 dense
 attention when every candidate is selected, and the kernel path (packed buffers +
 kernels.fast_decode / dense_decode_with_scores, run under TRITON_INTERPRET=1 on CPU
 tensors) against the reference path on the same inputs. Also the fused Triton Selector
-(kernels/selector.py) against sfi_sglang.selector's torch pipeline.
+(kernels/selector.py) against sfi_sglang.method.selector's torch pipeline.
 
 Small shapes, fresh random inputs, ragged lengths, GQA groups 1/3/4.
 """
@@ -20,9 +20,9 @@ _TRITON_PREIMPORTED = "triton" in sys.modules
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from sfi_sglang.config import SFIConfig  # noqa: E402
+from sfi_sglang.method.config import SFIConfig  # noqa: E402
 from sfi_sglang.kernels import reference as REF  # noqa: E402
-from sfi_sglang.memory import SparseMemory  # noqa: E402
+from sfi_sglang.method.memory import SparseMemory  # noqa: E402
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -108,6 +108,17 @@ def dense64(st, sm_scale):
 CFG = SFIConfig(sinks=4, window=8, budget=48, dense_layers=())
 
 
+def fast_positions(mem, layer_id: int, slot: int, t: int) -> torch.Tensor:
+    """Positions [H_kv, L] of a fast step of `slot` at context length t, read off the memory's
+    tensors (sinks, selected, window; ascending, disjoint): what every path must attend to."""
+    li, S = mem.layer_index[layer_id], mem.sinks
+    count, ws = int(mem.sel_count[slot]), int(mem.win_start[slot])
+    sel = mem.sel_pos[li, slot, :, :count].long()
+    sinks = torch.arange(min(S, t), device=mem.device).expand(mem.num_kv_heads, -1)
+    window = torch.arange(min(max(ws, S), t), t, device=mem.device).expand(mem.num_kv_heads, -1)
+    return torch.cat([sinks, sel, window], dim=1)
+
+
 # ------------------------------------------------------------------ reference path
 @pytest.mark.parametrize("G", [1, 3, 4])
 def test_reference_all_selected_equals_dense(G):
@@ -130,7 +141,7 @@ def test_reference_all_selected_equals_dense(G):
         assert rel_err(out, ref) < 1e-5
     # positions: ascending, disjoint, the whole history
     for b, slot in enumerate(st["rpi"].tolist()):
-        p = mem.fast_positions(1, slot, t[b])
+        p = fast_positions(mem, 1, slot, t[b])
         assert p.shape == (Hkv, t[b]) and (p == torch.arange(t[b], device=DEV)).all()
 
 
@@ -153,13 +164,13 @@ def test_reference_partial_selection_matches_positions():
     # slot not written yet, a freed one): NaN there changes nothing
     seen = torch.zeros(st["k"].shape[:2], dtype=torch.bool, device=DEV)
     for b, slot in enumerate(st["rpi"].tolist()):
-        p = mem.fast_positions(1, slot, t[b])
+        p = fast_positions(mem, 1, slot, t[b])
         seen[st["rtt"][slot][p].long(), torch.arange(Hkv, device=DEV)[:, None]] = True
     k_nan, v_nan = (x.masked_fill(~seen[..., None], float("nan")) for x in (st["k"], st["v"]))
     out_nan = mem.attend_fast(1, st["q"], k_nan, v_nan, st["rtt"], st["rpi"], st["seq_lens"], 0.25)
     assert torch.equal(out_nan, out)
     for b, slot in enumerate(st["rpi"].tolist()):
-        p = mem.fast_positions(1, slot, t[b])                   # [H, L]
+        p = fast_positions(mem, 1, slot, t[b])                   # [H, L]
         hi = int(ws[b])
         assert p.shape[1] == 4 + 10 + (t[b] - hi)
         assert torch.equal(p[:, 4:14], pos[b, :, :10])
@@ -183,30 +194,30 @@ def test_reset_store_and_bytes():
     pos, cnt, ws = selection(CFG, [70, 30], Hkv, gen, k=5)
     mem.store(2, st["rpi"], pos, cnt, ws, st["k"], st["v"], st["rtt"])
     slot = int(st["rpi"][0])
-    assert mem.selected(2, slot).shape == (Hkv, 5) and int(mem.win_start[slot]) == 62
+    assert int(mem.sel_count[slot]) == 5 and int(mem.win_start[slot]) == 62
     assert (mem.sel_pos[mem.layer_index[2], slot, :, 5:] == -1).all()
     mem.reset(st["rpi"][:1])
     assert int(mem.sel_count[slot]) == 0 and (mem.sel_pos[:, slot] == -1).all()
     assert int(mem.sel_count[int(st["rpi"][1])]) == 5
     pk = SparseMemory(3, [1, 2], 5, Hkv, D, CFG, DEV, torch.float16, packed=True)
     assert pk.bytes() == mem.bytes() + 2 * L * M * Hkv * (CFG.sinks + K) * D * 2 + M * 4
-    # slot_bytes (what SGLang's budget sets aside, sfi_sglang.hooks) is the allocation per slot
+    # slot_bytes (what SGLang's budget sets aside, sfi_sglang.integration.hooks) is the allocation per slot
     for m, packed in ((mem, False), (pk, True)):
         assert m.bytes() == M * SparseMemory.slot_bytes(L, Hkv, D, CFG, torch.float16, packed)
 
 
 def test_kv_budget_sets_aside_sparse_memory_and_key_norms():
-    from sfi_sglang.backend import SFIAttnBackend
-    from sfi_sglang.config import SFIConfigError
+    from sfi_sglang.method.config import SFIConfigError
+    from sfi_sglang.method.memory import kv_budget
 
     L, H, D, slots = 4, 2, 16, 3
     per_slot = SparseMemory.slot_bytes(L, H, D, CFG, torch.bfloat16, True)
     kv_cell, norm_cell = 2 * L * H * D * 2, L * H * 4
     avail = (slots + 1) * per_slot + 1000 * (kv_cell + norm_cell)
-    left = SFIAttnBackend.kv_budget(avail, L, H, D, CFG, torch.bfloat16, True, slots)
+    left = kv_budget(avail, L, H, D, CFG, torch.bfloat16, True, slots)
     assert left == 1000 * kv_cell  # 1000 tokens of K/V, and their key norms beside them
     with pytest.raises(SFIConfigError, match="lower --max-running-requests"):
-        SFIAttnBackend.kv_budget((slots + 1) * per_slot, L, H, D, CFG, torch.bfloat16, True, slots)
+        kv_budget((slots + 1) * per_slot, L, H, D, CFG, torch.bfloat16, True, slots)
 
 
 # ------------------------------------------------------------------ kernel path == reference
@@ -297,7 +308,7 @@ def test_kernel_path_half_precision_and_restore():
 @pytest.mark.parametrize("overrides", [{}, {"fusion": "geometric"}, {"alpha": 0.0},
                                        {"use_prior": False, "nms_radius": 3}])
 def test_kernel_fused_selector_matches_torch(overrides):
-    from sfi_sglang import selector as S
+    from sfi_sglang.method import selector as S
 
     cfg = SFIConfig(dense_layers=()).replace(**overrides)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
@@ -325,7 +336,7 @@ def test_kernel_fused_selector_matches_torch(overrides):
 
 
 def test_export_import_and_step_counters():
-    """A selection copied out of one slot and into another (sfi_sglang.radix's sharing)
+    """A selection copied out of one slot and into another (sfi_sglang.integration.radix's sharing)
     gives the same fast-step positions there; step counters reset with the slot."""
     Hkv, D = 2, 8
     mem = SparseMemory(3, [1, 2], 6, Hkv, D, CFG, DEV, torch.float32, packed=False)
@@ -338,7 +349,7 @@ def test_export_import_and_step_counters():
     mem.reset([dst])
     mem.import_(dst, positions, count, hi, lambda lid: (st["k"], st["v"]), st["rtt"], [1, 2])
     for lid in (1, 2):
-        assert torch.equal(mem.fast_positions(lid, dst, 75), mem.fast_positions(lid, src, 75))
+        assert torch.equal(fast_positions(mem, lid, dst, 75), fast_positions(mem, lid, src, 75))
     slots = torch.tensor([src, dst])
     mem.count_steps(slots, torch.tensor([True, True]), torch.tensor([False, True]))
     mem.count_steps(slots, torch.tensor([True, False]), torch.tensor([False, False]))
@@ -352,7 +363,7 @@ def test_kernel_fused_selector_gathers_pool_norms():
     """norm_tokens: the fused Selector reads the norms from an SGLang-layout pool [slots, H]
     through each position's KV slot (what the backend passes), same key as the norms
     gathered beforehand; the torch path does that gather itself."""
-    from sfi_sglang import selector as S
+    from sfi_sglang.method import selector as S
 
     cfg = SFIConfig(dense_layers=())
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
@@ -406,7 +417,7 @@ def test_flashinfer_page_lists_are_the_fast_step(G):
     sm = D ** -0.5
     ref = ref_mem.attend_fast(1, st["q"], st["k"], st["v"], st["rtt"], rpi, seq_lens, sm)
     for b, slot in enumerate(rpi.tolist()):
-        want = ref_mem.fast_positions(1, slot, t[b])
+        want = fast_positions(ref_mem, 1, slot, t[b])
         for h in range(Hkv):
             row = pages[indptr[b * Hkv + h]: indptr[b * Hkv + h + 1]].long()
             assert torch.equal(row % Hkv, torch.full_like(row, h))

@@ -9,7 +9,7 @@ ranks are tp=1 schedulers, the tp=1 reference for the tp=2 tokens.
 
 S=4, W=64, K=128: a context up to 196 tokens is all selected (SFI's fast step is dense),
 so there tp=2 and tp=1 must give the same greedy tokens where float order allows; the slow
-step decisions are compared rank against rank on the same request (sfi_sglang.parallel)."""
+step decisions are compared rank against rank on the same request (sfi_sglang.integration.parallel)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Shared prefixes share SFI memories (sfi_sglang.radix) on a real `sfi-sglang serve`
+"""Shared prefixes share SFI memories (sfi_sglang.integration.radix) on a real `sfi-sglang serve`
 (CPU engine, SmolLM2): multi-turn chat, n>1 sampling, a frontend fork, a long shared
 system prompt, node splits and eviction in a small KV pool (--max-total-tokens).
 
 S=4, W=64, K=256: contexts up to 324 tokens must give exactly the dense output, also when
 the request starts from a shared memory instead of its own bootstrap selection. Counters
 come from meta_info["sfi"] per request and GET /sfi/stats per server. The server runs with
---enable-metrics: SFI's Prometheus series follow the requests (sfi_sglang.metrics), and a
+--enable-metrics: SFI's Prometheus series follow the requests (sfi_sglang.integration.metrics), and a
 loop of finished, stopped, aborted and rejected requests leaves no per-request state."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_cache_backend_is_sfi_and_stats_endpoint(server):
 
 
 def test_sfi_memory_comes_out_of_sglang_budget(server):
-    """SFI's own tensors are set aside from SGLang's KV budget (sfi_sglang.hooks), for the
+    """SFI's own tensors are set aside from SGLang's KV budget (sfi_sglang.integration.hooks), for the
     request slots SGLang then makes (sfi-sglang serve's default --max-running-requests)."""
     info = requests.get(server.url + "/server_info", timeout=60).json()
     assert info["max_running_requests"] == 64

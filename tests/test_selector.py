@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from sfi_sglang.config import SFIConfig
-from sfi_sglang.selector import (candidate_mask, candidate_range, cross_head_exclusivity,
+from sfi_sglang.method.config import SFIConfig
+from sfi_sglang.method.selector import (candidate_mask, candidate_range, cross_head_exclusivity,
                                  evidence, fuse, fusion_weight, pool_neighbours, select,
                                  select_scores, soft_nms, structural_prior, top_k_positions)
 

@@ -49,7 +49,7 @@ def generate_body(sfi=None, **prompt) -> dict:
     return {**(prompt or {"text": "Hello"}), "sampling_params": params}
 
 
-# longer than the boundary-spec limit (sfi_sglang.boundary.MAX_SPEC_CHARS, 4096) and valid
+# longer than the boundary-spec limit (sfi_sglang.method.boundary.MAX_SPEC_CHARS, 4096) and valid
 # otherwise, so only the limit rejects it
 LONG_SPEC = ",".join(["mark:;"] * 700)
 
@@ -91,6 +91,14 @@ BAD_INPUTS = [
      "extra_boundaries"),
     ({"text": "Hello", "sampling_params": {"max_new_tokens": 2, "ebnf": 'root ::= "yes" | "no"',
                                            "custom_params": {"sfi": {"window": 10 ** 12}}}}, "window"),
+    # custom_params and its "sfi" entry must be JSON objects (SGLang itself takes any value;
+    # a list or string used to be served with the request's SFI options silently dropped)
+    ({"text": "Hello", "sampling_params": {"max_new_tokens": 2, "custom_params": [1, 2]}},
+     '"custom_params" must be a JSON object, got an array'),
+    ({"text": "Hello", "sampling_params": {"max_new_tokens": 2, "custom_params": "sfi"}},
+     '"custom_params" must be a JSON object, got a string'),
+    ({"text": "Hello", "sampling_params": {"max_new_tokens": 2, "custom_params": {"sfi": [128]}}},
+     'custom_params["sfi"] must be a JSON object, got an array'),
 ]
 
 
@@ -105,7 +113,8 @@ def test_bad_request_options_get_400_and_server_keeps_serving(server, body, fiel
     error = r.json()
     assert field in (error["message"] if "message" in error else str(error["error"])), error
     sampling = body.get("sampling_params", {}) if isinstance(body, dict) else {}
-    sfi = sampling.get("custom_params", {}).get("sfi")
+    params = sampling.get("custom_params")
+    sfi = params.get("sfi") if isinstance(params, dict) else None
     if sfi is not None:  # the same options through the OpenAI API
         r = requests.post(server.url + "/v1/chat/completions", json={
             "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
@@ -114,16 +123,6 @@ def test_bad_request_options_get_400_and_server_keeps_serving(server, body, fiel
     assert requests.get(server.url + "/health", timeout=60).status_code == 200
     ok = requests.post(server.url + "/generate", json=generate_body(), headers=API, timeout=300)
     assert ok.status_code == 200, ok.text
-
-
-def test_custom_params_that_are_not_an_object_are_served_as_sglang_does(server):
-    """SGLang accepts any custom_params (it crashed the scheduler with SFI on): SFI then
-    runs with the server's options, as for a request without custom_params."""
-    r = requests.post(server.url + "/generate", json={
-        "text": "Hello", "sampling_params": {"max_new_tokens": 2, "custom_params": [1, 2]}},
-        headers=API, timeout=300)
-    assert r.status_code == 200, r.text
-    assert r.json()["meta_info"]["sfi"]["budget"] == 256
 
 
 def test_boundaries_post_over_the_spec_limit_gets_400(server):

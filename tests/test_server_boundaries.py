@@ -18,8 +18,8 @@ import jsonschema
 import pytest
 import requests
 
-from sfi_sglang.boundary import boundary_tables
-from sfi_sglang.grammar import JsonTracker, token_texts
+from sfi_sglang.method.boundary import boundary_tables
+from sfi_sglang.integration.grammar import JsonTracker, token_texts
 from sfi_sglang.texts import long_text
 
 from conftest import ADMIN, API, chat_prompt

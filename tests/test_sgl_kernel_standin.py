@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from sfi_sglang import sgl_kernel_standin as standin
+from sfi_sglang.integration import sgl_kernel_standin as standin
 
 
 def test_assign_req_to_token_pool_matches_reference():

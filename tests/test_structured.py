@@ -10,8 +10,8 @@ import re
 import jsonschema
 import pytest
 
-from sfi_sglang.boundary import boundary_tables
-from sfi_sglang.grammar import JsonTracker, token_texts
+from sfi_sglang.method.boundary import boundary_tables
+from sfi_sglang.integration.grammar import JsonTracker, token_texts
 from sfi_sglang.texts import long_text
 
 from conftest import chat_prompt, start_engine

@@ -68,7 +68,7 @@ class SFIConfig:
     dense_layers: tuple[int, ...] = (0, 1)
     # last prompt query rows used for the bootstrap selection at the end of prefill
     bootstrap_rows: int = 8
-    # selector (see selector.py; names follow SFI_SPEC.md)
+    # selector (see selector.py; names follow ../shared/SFI_SPEC.md)
     fusion: str = "arithmetic"           # "arithmetic" | "geometric"
     alpha: float = 0.5
     key_norm_gamma: float = 0.5
@@ -117,11 +117,6 @@ class SFIConfig:
                 object.__setattr__(self, f.name, float(v))
         self.validate()
 
-    @property
-    def memory_size(self) -> int:
-        """Slots of the coalesced per-(request, KV head) buffer: sinks + selected."""
-        return self.sinks + self.budget
-
     # ---------------------------------------------------------------- validation
     def validate(self) -> None:
         def bad(name, what):
@@ -158,7 +153,7 @@ class SFIConfig:
             bad("fusion", "'arithmetic' or 'geometric'")
         if not isinstance(self.boundaries, str):
             bad("boundaries", "a string")
-        from sfi_sglang.boundary import parse_boundary_spec
+        from sfi_sglang.method.boundary import parse_boundary_spec
         try:
             parse_boundary_spec(self.boundaries)
         except ValueError as e:

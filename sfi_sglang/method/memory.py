@@ -5,7 +5,7 @@ Per slot (request) and sparse layer and KV head, a fast step at context length t
     sinks     [0, min(S, t))
     selected  the sel_count[slot] positions recorded by the last `store` (in [S, win_start))
     window    [min(max(win_start, S), t), t)
-(SFI's fast step; sfi_sglang.backend attends through this class). The three sets are disjoint; when all
+(SFI's fast step; the `sfi` backend attends through this class). The three sets are disjoint; when all
 candidates were selected their union is the whole history and a fast step equals dense.
 
 Two implementations of the same semantics:
@@ -32,6 +32,11 @@ from typing import Iterable, Optional
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
+from sfi_sglang.method.config import SFIConfigError
+
+# A window start past any context: the fast kernel reads no window for such a slot (SGLang's
+# padding slot 0, and the device-path rows of requests with SFI off).
+NO_WINDOW = 1 << 30
 
 
 class SparseMemory:
@@ -99,7 +104,7 @@ class SparseMemory:
     def slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, cfg, dtype, packed: bool) -> int:
         """Bytes a SparseMemory of `num_layers` layers holds per request slot (every tensor
         bytes() counts is [slots, ...]; `packed` as in __init__): what SGLang's memory budget
-        must leave for it (SFIAttnBackend.kv_budget). Measured on a one-slot memory on the
+        must leave for it (kv_budget). Measured on a one-slot memory on the
         meta device, so it cannot drift from the allocation."""
         return SparseMemory(num_layers, range(num_layers), 1, num_kv_heads, head_dim, cfg, "meta",
                             dtype, packed=packed).bytes()
@@ -138,7 +143,7 @@ class SparseMemory:
 
     def export(self, slot: int):
         """(positions [L_sparse, H_kv, K] int32, count, win_start) of a slot's selection:
-        a copy, for sfi_sglang.radix (host sync)."""
+        a copy, for sfi_sglang.integration.radix (host sync)."""
         return self.sel_pos[:, slot].clone(), int(self.sel_count[slot]), int(self.win_start[slot])
 
     def import_(self, slot: int, positions: torch.Tensor, count: int, win_start: int,
@@ -152,12 +157,6 @@ class SparseMemory:
             k_cache, v_cache = kv_caches(lid)
             self.store(lid, s, positions[li][None], count, win_start, k_cache, v_cache, req_to_token)
 
-    def selected(self, layer_id: int, slot: int) -> torch.Tensor:
-        """Selected positions [H_kv, sel_count] int64 of one slot (host sync; for tests/stats)."""
-        c = int(self.sel_count[slot])
-        return self.sel_pos[self.layer_index[layer_id], slot, :, :c].long()
-
-    # ------------------------------------------------------------------ slow step: record
     def store(self, layer_id: int, slots, positions: torch.Tensor, sel_count, win_start,
               k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
               seq_lens: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None) -> None:
@@ -279,7 +278,7 @@ class SparseMemory:
 
     def _fast_mask(self, li, rpi, seq_lens, n: int) -> torch.Tensor:
         """[b, H_kv, n] bool: sinks [0, min(S, t)), the selected positions, the window
-        [max(win_start, S), t): a fast step's positions (fast_positions) as a mask."""
+        [max(win_start, S), t): a fast step's positions as a mask."""
         j = torch.arange(n, device=self.device)
         t = seq_lens.to(self.device, torch.int64)[:, None, None]
         ws = self.win_start[rpi].clamp_min(self.sinks)[:, None, None]
@@ -329,20 +328,7 @@ class SparseMemory:
         j = torch.arange(n, device=self.device)
         return (j < seq_lens.to(self.device, torch.int64)[:, None]).unsqueeze(1).expand(-1, self.num_kv_heads, -1)
 
-    def fast_positions(self, layer_id: int, slot: int, t: int) -> torch.Tensor:
-        """Positions [H_kv, L] int64 of a fast step of `slot` at context length t (sinks,
-        selected, window; ascending, disjoint). Host sync; the reference path."""
-        li = self.layer_index[layer_id]
-        return self._positions(li, slot, t, int(self.sel_count[slot]), int(self.win_start[slot]))
-
-    def _positions(self, li, slot, t, count, ws):
-        H, S = self.num_kv_heads, self.sinks
-        sel = self.sel_pos[li, slot, :, :count].long()
-        sinks = torch.arange(min(S, t), device=self.device).expand(H, -1)
-        window = torch.arange(min(max(ws, S), t), t, device=self.device).expand(H, -1)
-        return torch.cat([sinks, sel, window], dim=1)
-
-    def _attend_positions_ref(self, q, k_cache, v_cache, req_to_token, rpi, positions, sm_scale, out):
+    def attend_positions(self, q, k_cache, v_cache, req_to_token, rpi, positions, sm_scale, out):
         """q [B, H_q, D] of rows rpi over positions[i] [H_kv, L_i] (torch reference): one
         SDPA call per group of rows of equal length, in the layout of SGLang's torch_native
         decode, so a full position list gives its results."""
@@ -372,19 +358,6 @@ class SparseMemory:
             out[rows] = o[:, :, 0, :].to(out.dtype)
         return out
 
-    def attend_dense(self, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                     sm_scale, out=None, max_len=None):
-        """Dense decode attention of rows that are dense at this step (SFI disabled, or a
-        dense layer of theirs) while others are not. Packed: kernels.dense_decode; else the
-        torch_native layout (bit-identical to SGLang's dense decode on the CPU)."""
-        rpi = req_pool_indices.to(self.device).long()
-        if self.packed:
-            return self._k.dense_decode(q, k_cache, v_cache, req_to_token, rpi, seq_lens, sm_scale,
-                                        out=out, max_len=max_len)
-        n = self._ref_len(seq_lens, max_len)
-        return self._attend_masked_ref(q, k_cache, v_cache, req_to_token, rpi,
-                                       self._dense_mask(seq_lens, n), sm_scale, out)
-
     # ------------------------------------------------------------------ slow step
     def attend_slow(self, layer_id: int, q: torch.Tensor, k_cache, v_cache, req_to_token,
                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
@@ -393,8 +366,8 @@ class SparseMemory:
         """Dense attention + raw logits: (out [b, H_q, D] q.dtype, scores [b, H_q, N_max]
         float32, -inf at positions >= seq_len). N_max = scores_out.shape[2], else max_len,
         else max(seq_lens) (host sync). Packed: kernels.dense_decode_with_scores; else the
-        logits from the reference in float32 (kernels.reference) and the output from
-        `attend_dense` (so a slow step's output is exactly the dense backend's)."""
+        logits and the output from the torch reference in float32 (kernels.reference), in the
+        torch_native layout (bit-identical to SGLang's dense decode on the CPU)."""
         rpi = req_pool_indices.to(self.device).long()
         if self.packed:
             return self._k.dense_decode_with_scores(q, k_cache, v_cache, req_to_token, rpi,
@@ -408,6 +381,25 @@ class SparseMemory:
         self._attend_masked_ref(q, k_cache, v_cache, req_to_token, rpi, self._dense_mask(seq_lens, n),
                                 sm_scale, out, logits_out=scores_out)
         return out, scores_out
+
+
+def kv_budget(available: int, num_layers: int, num_kv_heads: int, head_dim: int, cfg, dtype,
+              packed: bool, slots: int) -> int:
+    """SGLang's KV-pool byte budget once the `sfi` backend's own tensors are set aside: the
+    sparse memory (per request slot, `slots` + 1 rows like SGLang's req_to_token) and the
+    key norms (per KV-pool token, next to the pool's K and V). Raises SFIConfigError when
+    nothing would be left. Called where SGLang sizes its pools (hooks._reserve_sfi_memory)."""
+    mem = (slots + 1) * SparseMemory.slot_bytes(num_layers, num_kv_heads, head_dim, cfg, dtype, packed)
+    kv_cell = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+    norm_cell = num_layers * num_kv_heads * 4  # the key norms: L x float32 [tokens, H_kv]
+    left = (available - mem) * kv_cell // (kv_cell + norm_cell)
+    if left <= 0:
+        raise SFIConfigError(
+            f"SFI's sparse memory for {slots} request slots needs {mem / 2**30:.2f} GiB "
+            f"({mem / (slots + 1) / 2**20:.1f} MiB per slot with --sfi-budget {cfg.budget}) "
+            f"but the KV budget is {available / 2**30:.2f} GiB: lower --max-running-requests "
+            "or --sfi-budget, or raise --mem-fraction-static")
+    return int(left)
 
 
 def _per_row(x, b: int, device) -> torch.Tensor:

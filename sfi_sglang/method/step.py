@@ -8,7 +8,7 @@ Per request slot (SGLang's ReqToTokenPool index) it keeps device tensors:
     steps     [slots]      decode steps so far
     slow_log  [slots, LOG] the decode steps (1-based) that were slow, -1 past slow_n
     slow_n    [slots]      slow steps so far (the log keeps the first LOG of them)
-The trigger policy (sfi_sglang.boundary.TriggerPolicy) keeps the boundary table (a tensor
+The trigger policy (sfi_sglang.method.boundary.TriggerPolicy) keeps the boundary table (a tensor
 indexed by token id) and the per-slot counters.
 
 `begin(input_ids, slots)` runs once per decode forward, before the first layer: in
@@ -28,7 +28,8 @@ at it): it is never slow and never dense.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
@@ -58,7 +59,6 @@ class StepPlan:
         self.slow_n = torch.zeros(max_slots, dtype=torch.int32, device=dev)
         self.sfi[0] = True  # the padding slot: a fast row over an empty memory
         self.has_sel[0] = True
-        self.rows: Rows | None = None
 
     # ------------------------------------------------------------------ host side
     def start(self, slot: int, sfi: bool, dense_layers, has_sel: bool = False) -> None:
@@ -91,6 +91,12 @@ class StepPlan:
             n = n + 1
         self.steps[slot], self.slow_log[slot], self.slow_n[slot] = steps, log, n
 
+    def log_slow(self, slot: int, step: int) -> None:
+        """The host path's slow step `step` of the slot's request (host; eager steps), logged
+        as `begin` logs a device row's."""
+        self.slow_log[slot, min(int(self.slow_n[slot]), SLOW_LOG - 1)] = step
+        self.slow_n[slot] += 1
+
     def read(self, slot: int) -> tuple[int, list[int]]:
         """(decode steps, slow decode steps) of the slot's request (host sync: at report time)."""
         steps, n = int(self.steps[slot]), int(self.slow_n[slot])
@@ -118,37 +124,87 @@ class StepPlan:
         dense = self.dense[slots] | ~on[:, None]
         need = dense | slow[:, None]
         # per-layer rows made once per step, so a layer indexes them (no launch per layer)
-        self.rows = Rows(on=on, slow=slow, dense=dense, need=need.any(0), need_l=need.t().contiguous(),
+        return Rows(on=on, slow=slow, dense=dense, need=need.any(0), need_l=need.t().contiguous(),
                          slow_l=(slow[:, None] & ~dense).t().contiguous(), any_slow=slow.any())
-        return self.rows
 
 
-def run_if(pred: torch.Tensor, body) -> None:
-    """body() where pred (a device bool scalar) holds. Inside a CUDA graph capture: a
-    conditional graph node, so a replay skips the body's kernels when pred is false
-    (torch's own node where it has one, else sfi_sglang.graph_if's); elsewhere body()
-    always runs (its work is masked per row, so the result is the same) and nothing is
-    read back to the host; on the CPU, whose tensors are host memory, pred decides."""
-    if not pred.is_cuda:
-        if bool(pred):
-            body()
-        return
-    if torch.cuda.is_current_stream_capturing():
-        if _HAS_IF_NODE:
-            graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
-            graph.begin_capture_to_if_node(pred)
-            try:
-                body()
-            finally:
-                graph.end_capture_to_conditional_node()
-            return
-        from sfi_sglang import graph_if
+@dataclass
+class StepMetadata:
+    """One forward's SFI metadata, built once before the first layer (the backend's
+    init_forward_metadata, or its out-graph / in-graph halves around a CUDA graph) and only
+    read by the layers; the sibling of the dense backends' ForwardMetadata."""
 
-        if graph_if.available():
-            graph_if.capture_if(pred, body)
-            return
-    body()
+    rows: Optional[Rows] = None  # the step plan's rows (None: not a decode step)
+    # (batch row, slot, Request) of rows on the host path (eager steps only)
+    host_rows: list = field(default_factory=list)
+    # batch rows whose input token is a per-request boundary (host; eager steps only)
+    extra_rows: Optional[torch.Tensor] = None
+    ref_len: Optional[int] = None  # the torch reference's length (its longest context)
+    win_start: Optional[torch.Tensor] = None  # [B] the fast kernel's window starts
+    layer_scores: Optional[torch.Tensor] = None  # [L_sparse, B, H_q, N]: batched Selector
+    fast_plan: Any = None  # the FlashInfer fast path's plan (eager steps)
 
 
-_HAS_IF_NODE = hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node") and hasattr(
-    torch.cuda.CUDAGraph, "get_currently_capturing_graph")
+# A slow step keeps every sparse layer's scores until the step's end and runs the Selector
+# once for all layers (rows = layers x requests: ~15 launches instead of ~15 per layer)
+# while the scores of a step fit in this many bytes; larger steps select layer by layer.
+SELECT_BATCH_BYTES = 512 << 20
+
+
+class ScoreBuffers:
+    """The slow pass's logits, float32 [rows, H_q, N], N = req_to_token's width (the torch
+    reference: the step's longest context). Graphs write into buffers made once and never
+    replaced (a graph holds no reference to the tensors it writes): one for the captured
+    batch sizes (`for_graphs`, from init_cuda_graph_state) and one for the batched Selector
+    of a step's every sparse layer; eager steps of larger batches get their own."""
+
+    def __init__(self, memory, num_sparse: int, num_q_heads: int, width: int, batched: bool):
+        self.memory = memory  # its device, and whether it runs the kernel path (packed)
+        self.num_sparse, self.num_q_heads, self.width = num_sparse, num_q_heads, width
+        self.batched = batched and num_sparse > 0  # the batched Selector may run (kernel path)
+        self.eager: Optional[torch.Tensor] = None
+        self.graph: Optional[torch.Tensor] = None
+        self.layers: Optional[torch.Tensor] = None
+
+    def _capturing(self) -> bool:
+        return self.memory.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def for_graphs(self, max_bs: int) -> None:
+        if self.memory.packed and (self.graph is None or self.graph.shape[0] < max_bs):
+            self.graph = torch.empty((max_bs, self.num_q_heads, self.width), dtype=torch.float32,
+                                     device=self.memory.device)
+
+    def layer(self, rows: int, ref_len: Optional[int]) -> torch.Tensor:
+        """One layer's logits [rows, H_q, N]."""
+        dev = self.memory.device
+        if not self.memory.packed:
+            return torch.empty((rows, self.num_q_heads, ref_len), dtype=torch.float32, device=dev)
+        graph = self._capturing() or (self.graph is not None and self.graph.shape[0] >= rows)
+        buf = self.graph if graph else self.eager
+        if buf is None or buf.shape[0] < rows:
+            if graph and buf is not None:
+                raise RuntimeError(f"SFI: a CUDA graph of {rows} rows was captured beyond the "
+                                   f"{buf.shape[0]} rows of init_cuda_graph_state")
+            buf = torch.empty((rows, self.num_q_heads, self.width), dtype=torch.float32, device=dev)
+            if graph:
+                self.graph = buf
+            else:
+                self.eager = buf
+        return buf[:rows]
+
+    def step(self, rows: int) -> Optional[torch.Tensor]:
+        """[L_sparse, rows, H_q, N] for a step whose Selectors run batched at its end, or
+        None: layer by layer (more than SELECT_BATCH_BYTES of scores, or the batched Selector
+        off). Made at the first use outside a capture for as many rows as fit (at most the
+        request slots), never replaced."""
+        if not (self.batched and self.memory.packed):
+            return None
+        per_row = self.num_sparse * self.num_q_heads * self.width
+        if self.layers is None:
+            cap = min(SELECT_BATCH_BYTES // (4 * per_row), self.memory.max_slots)
+            if cap < 1 or self._capturing():
+                return None
+            self.layers = torch.empty(cap * per_row, dtype=torch.float32, device=self.memory.device)
+        if rows * per_row > self.layers.numel():
+            return None
+        return self.layers[:rows * per_row].view(self.num_sparse, rows, self.num_q_heads, self.width)

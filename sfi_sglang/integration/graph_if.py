@@ -11,10 +11,15 @@ through the `cuda.bindings` package):
      as a child node follows it; the stream's capture goes on after the IF node.
 The set-conditional kernel is compiled once per process with NVRTC (cuda.bindings.nvrtc),
 or nvcc where NVRTC is missing. `available()` says whether all of it works here.
+
+`run_if(pred, body)` is what the `sfi` backend calls: torch's own node where torch has one,
+else this module's, else body() unconditionally. `no_host_reads()` makes a host read inside
+a decode step fail loudly (tests), since it would stall graphs and the overlap scheduler.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -22,6 +27,14 @@ import subprocess
 import tempfile
 
 import torch
+
+# torch's own conditional node (newer torch than the GPU machine's 2.11)
+HAS_IF_NODE = hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node") and hasattr(
+    torch.cuda.CUDAGraph, "get_currently_capturing_graph")
+# Set to "1" (tests): a device-path decode layer that reads a tensor to the host
+# (Tensor.item/.tolist/.cpu) raises instead, so a sync that would stall CUDA graphs and the
+# overlap scheduler fails loudly on the CPU engine too.
+SYNC_GUARD_ENV = "SFI_SGLANG_SYNC_GUARD"
 
 _SRC = r"""
 typedef unsigned long long cudaGraphConditionalHandle;
@@ -184,3 +197,51 @@ def capture_if(pred: torch.Tensor, body) -> None:
     child_graph = rt.cudaGraph_t(init_value=child.raw_cuda_graph())
     _check(rt.cudaGraphAddChildGraphNode(body_graph, None, 0, child_graph))
     _set_deps(rt, stream, node)
+
+
+def run_if(pred: torch.Tensor, body) -> None:
+    """body() where pred (a device bool scalar) holds. Inside a CUDA graph capture: a
+    conditional graph node, so a replay skips the body's kernels when pred is false
+    (torch's own node where it has one, else capture_if's); elsewhere body() always runs
+    (its work is masked per row, so the result is the same) and nothing is read back to
+    the host; on the CPU, whose tensors are host memory, pred decides."""
+    if not pred.is_cuda:
+        if bool(pred):
+            body()
+        return
+    if torch.cuda.is_current_stream_capturing():
+        if HAS_IF_NODE:
+            graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+            graph.begin_capture_to_if_node(pred)
+            try:
+                body()
+            finally:
+                graph.end_capture_to_conditional_node()
+            return
+        if available():
+            capture_if(pred, body)
+            return
+    body()
+
+
+@contextlib.contextmanager
+def no_host_reads(on: bool = True):
+    """Inside: Tensor.item, .tolist and .cpu raise RuntimeError (when `on`)."""
+    if not on:
+        yield
+        return
+    names = ("item", "tolist", "cpu")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def refuse(name):
+        def f(self, *args, **kwargs):
+            raise RuntimeError(f"SFI decode step read a tensor to the host (Tensor.{name})")
+        return f
+
+    for n in names:
+        setattr(torch.Tensor, n, refuse(n))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)

@@ -77,9 +77,9 @@ def _batch_invariant_mode(original, self, *args, **kwargs):
     """--enable-deterministic-inference. The method is SGLang's switch for the mode, with no
     extension point for another device or for a backend's own kernels.
     - CPU engine: SGLang's batch-invariant ops are GPU kernels and raise there; the CPU's
-      own GEMM is made batch-invariant instead (sfi_sglang.batch_invariant).
+      own GEMM is made batch-invariant instead (sfi_sglang.integration.batch_invariant).
     - GPU: SGLang's ops, and SFI's kernels pick their split-K counts as for a batch of one
-      (kernels._common.BATCH_INVARIANT): on the H200 dense SGLang gave a request the same
+      (kernels.set_batch_invariant): on the H200 dense SGLang gave a request the same
       1,000 tokens alone and among 32 in this mode, SFI did not while its split counts
       followed the batch (bench/results/garbage_h200.log)."""
     from sglang.srt.runtime_context import get_exec
@@ -87,13 +87,13 @@ def _batch_invariant_mode(original, self, *args, **kwargs):
     if not get_exec().deterministic.enable_deterministic_inference:
         return original(self, *args, **kwargs)
     if str(self.device).startswith("cpu"):
-        from sfi_sglang import batch_invariant
+        from sfi_sglang.integration import batch_invariant
 
         batch_invariant.enable()
         return None
-    from sfi_sglang.kernels import _common
+    from sfi_sglang.kernels import set_batch_invariant
 
-    _common.BATCH_INVARIANT = True
+    set_batch_invariant(True)
     return original(self, *args, **kwargs)
 
 
@@ -108,15 +108,15 @@ def _reserve_sfi_memory(original, self, *args, **kwargs):
     if "sfi" not in {sa.attention_backend, getattr(sa, "decode_attention_backend", None),
                      getattr(sa, "prefill_attention_backend", None)}:
         return available
-    from sfi_sglang.backend import SFIAttnBackend
-    from sfi_sglang.config import server_config
+    from sfi_sglang.method.config import server_config
+    from sfi_sglang.method.memory import kv_budget
 
     cfg = server_config()
     mc = self.model_config
     # without --max-running-requests SGLang makes 2048-4096 request slots
     # (KVCacheConfigurator.resolve_max_num_reqs); sfi_sglang's launchers always set it
     slots = sa.max_running_requests or 4096
-    budget = SFIAttnBackend.kv_budget(available, mc.num_hidden_layers, mc.get_num_kv_heads(sa.tp_size),
+    budget = kv_budget(available, mc.num_hidden_layers, mc.get_num_kv_heads(sa.tp_size),
                                       mc.head_dim, cfg, self.kv_cache_dtype,
                                       str(self.device).startswith("cuda"), slots)
     MEMORY.update(available=int(available), kv_budget=budget, reserved=int(available) - budget,
@@ -142,22 +142,22 @@ def _verify_sfi_params(result, self, *args, **kwargs):
     sampling params, so a bad one becomes HTTP 400 (ValueError) before it is queued;
     against the model too (MODEL_LIMITS) in the tokenizer manager's process.
     SamplingParams.verify has no extension point for custom_params."""
-    from sfi_sglang.config import server_config
-    from sfi_sglang.requests import request_config
+    from sfi_sglang.method.config import server_config
+    from sfi_sglang.method.options import request_config
 
     request_config(server_config(), self.custom_params, MODEL_LIMITS.get("model"))
     _resolve_extra_boundaries(self.custom_params)
     return result
 
 
-# this process's model shape (sfi_sglang.requests.ModelLimits), set by _record_model_limits
+# this process's model shape (sfi_sglang.method.options.ModelLimits), set by _record_model_limits
 MODEL_LIMITS: dict = {}
 
 
 def _record_model_limits(result, self, *args, **kwargs):
     """The model's layer count and context length, for checking request options in
     SamplingParams.verify (_verify_sfi_params), which sees only the sampling params."""
-    from sfi_sglang.requests import ModelLimits
+    from sfi_sglang.method.options import ModelLimits
 
     MODEL_LIMITS["model"] = ModelLimits(num_layers=self.model_config.num_hidden_layers,
                                         context_len=self.context_len)
@@ -190,8 +190,8 @@ def _resolve_extra_boundaries(custom_params):
     """custom_params["sfi"]["extra_boundaries"] (a boundary spec) -> token ids in
     custom_params[EXTRA_IDS_KEY], on the tokenizer side (which owns the vocabulary
     texts), so the scheduler only looks ids up."""
-    from sfi_sglang.config import SFIConfigError
-    from sfi_sglang.requests import EXTRA_IDS_KEY
+    from sfi_sglang.method.config import SFIConfigError
+    from sfi_sglang.method.options import EXTRA_IDS_KEY
     from sfi_sglang.router import tokenizer_side
 
     if not isinstance(custom_params, dict):
@@ -251,23 +251,22 @@ def _record_request_options(self, recv_req, *args, **kwargs):
     """The backend needs each request's custom_params["sfi"], but ForwardBatch carries
     custom_params only when custom logit processors are enabled; record them by rid as
     the scheduler receives the request."""
-    from sfi_sglang.backend import REQUEST_PARAMS
+    from sfi_sglang.integration import state
 
     params = getattr(recv_req.sampling_params, "custom_params", None)
-    if params and isinstance(params, dict):  # SGLang lets custom_params be any JSON value
-        REQUEST_PARAMS[recv_req.rid] = params
+    if params and isinstance(params, dict):  # checked on the tokenizer side (_verify_sfi_params)
+        state.REQUEST_PARAMS[recv_req.rid] = params
 
 
 def _build_sfi_info(self, reqs):
     """meta_info["sfi"] of each emitted request, read from the scheduler's SFI backend;
-    SFI's Prometheus series (sfi_sglang.metrics) are updated here too, where the host
+    SFI's Prometheus series (sfi_sglang.integration.metrics) are updated here too, where the host
     reads the requests' counters anyway."""
-    from sfi_sglang import metrics, radix
-    from sfi_sglang.backend import ACTIVE
+    from sfi_sglang.integration import metrics, radix, state
 
-    if not ACTIVE:
+    backend = state.active()
+    if backend is None:
         return {}
-    backend = ACTIVE[0]
     info = {META_KEY: [[_stats(backend, r)] for r in reqs]}
     if metrics.METRICS is not None:
         metrics.METRICS.update_state(backend, radix.CACHES[-1].memories if radix.CACHES else None)
@@ -275,11 +274,11 @@ def _build_sfi_info(self, reqs):
 
 
 def _stats(backend, req):
-    from sfi_sglang import metrics
+    from sfi_sglang.integration import metrics
 
     finished = req.finished()
-    entry = backend.by_rid.get(req.rid) if finished else None
-    stats = backend.request_stats(req.rid, finished)
+    entry = backend.slots.by_rid.get(req.rid) if finished else None
+    stats = backend.slots.request_stats(req.rid, finished)
     if stats is not None and entry is not None and metrics.METRICS is not None:
         cfg = entry[1].cfg
         metrics.METRICS.request_finished(stats, cfg.max_interval, cfg.refresh == "interval")
@@ -308,18 +307,16 @@ def _update_meta_info(original, self, meta_info, state, customized_info, index, 
 
 
 def _add_sfi_state(result, self, *args, **kwargs):
-    """The scheduler's SFI sharing counters (sfi_sglang.radix.stats) and memory reservation
+    """The scheduler's SFI sharing counters (sfi_sglang.integration.radix.stats) and memory reservation
     (_reserve_sfi_memory) join its internal
     state, which SGLang serves at /server_info and Engine.get_server_info(); the internal
     state is assembled from a fixed list of contributors with no extension point."""
-    from sfi_sglang import parallel, radix
-    from sfi_sglang.backend import ACTIVE
+    from sfi_sglang.integration import parallel, radix, state
 
     memory = dict(MEMORY)
-    if ACTIVE:  # what the backend allocated against what was reserved for it
-        be = ACTIVE[-1]
-        norms = sum(t.numel() * t.element_size() for t in be.key_norms)
-        memory.update(allocated=be.memory.bytes() + norms,
+    be = state.active()
+    if be is not None:  # what the backend allocated against what was reserved for it
+        memory.update(allocated=be.memory.bytes() + be.norms.bytes(),
                       allocated_slots=be.memory.max_slots)
     result.internal_state[META_KEY] = {**radix.stats(), "memory": memory,
                                        "requests": _request_maps(),
@@ -333,30 +330,31 @@ def _request_maps() -> dict:
     """Sizes of this scheduler's per-request state: every map keyed by request (rid or
     slot) that SFI keeps; all 0 once no request is queued or running (a request's entries
     go when it finishes, is aborted or is released by the radix cache)."""
-    from sfi_sglang import eval as sfi_eval, radix
-    from sfi_sglang.backend import ACTIVE, REQUEST_PARAMS
+    from sfi_sglang import eval as sfi_eval
+    from sfi_sglang.integration import radix, state
 
-    be = ACTIVE[-1] if ACTIVE else None
-    by_rid = len(be.by_rid) if be is not None else 0
+    be = state.active()
+    slots = be.slots if be is not None else None
+    by_rid = len(slots.by_rid) if slots is not None else 0
     return {"slots_in_use": by_rid,  # requests holding a memory slot (reported at finish)
-            "request_params": len(REQUEST_PARAMS),  # rid -> custom_params (backend.py)
-            "by_rid": by_rid,  # rid -> (slot, Request) (SFIAttnBackend.by_rid)
-            "slot_records": len(be.requests) if be is not None else 0,  # SFIAttnBackend.requests
-            "retracted": len(be.suspended) if be is not None else 0,  # SFIAttnBackend.suspended
-            "radix_matched": sum(len(c._reqs) for c in radix.CACHES),  # SFIRadixCache._reqs
-            "radix_started": sum(len(c._started) for c in radix.CACHES),
-            "eval_results": len(sfi_eval._RESULTS)}
+            "request_params": len(state.REQUEST_PARAMS),  # rid -> custom_params (state.py)
+            "by_rid": by_rid,  # rid -> (slot, Request) (Slots.by_rid)
+            "slot_records": len(slots.requests) if slots is not None else 0,  # Slots.requests
+            "retracted": len(slots.suspended) if slots is not None else 0,  # Slots.suspended
+            "radix_matched": sum(c.tracked()[0] for c in radix.CACHES),  # SFIRadixCache._reqs
+            "radix_started": sum(c.tracked()[1] for c in radix.CACHES),  # SFIRadixCache._started
+            "eval_results": sfi_eval.pending_results()}
 
 
 def _add_sfi_metrics(result, self, *args, **kwargs):
-    """SFI's Prometheus series (sfi_sglang.metrics), made in this scheduler process with
+    """SFI's Prometheus series (sfi_sglang.integration.metrics), made in this scheduler process with
     SGLang's scheduler labels when SGLang makes its own collector (--enable-metrics; the
     ranks SGLang exports from). SGLang's collector is a fixed class with no extension
     point for other series."""
     ctx = getattr(self, "metrics_collector_context", None)
     collector = getattr(ctx, "collector", None)
     if collector is not None and ctx.current_scheduler_metrics_enabled:
-        from sfi_sglang import metrics
+        from sfi_sglang.integration import metrics
 
         metrics.init(collector.labels)
     return result

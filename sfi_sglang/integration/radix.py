@@ -21,10 +21,10 @@ Lock counting is SGLang's own: a request locks its matched path from admission t
 release, so the node it imports from (its path's node or an ancestor) stays in the tree
 meanwhile, and a split copies the lock count to the upper part.
 
-This module talks to the backend through `start_request` (a request's first extend) and
-the backend's `export_selection` / `import_selection` (copies out of / into its
-SparseMemory slot, packed K/V included), so the memory's representation stays the
-backend's.
+This module talks to the backend's request slots (sfi_sglang.integration.slots.Slots)
+through `start_request` (a request's first extend) and their `export_selection` /
+`import_selection` (copies out of / into a SparseMemory slot, packed K/V included), so the
+memory's representation stays the backend's.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResul
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 if TYPE_CHECKING:
-    from sfi_sglang.backend import Request, SFIAttnBackend
-    from sfi_sglang.config import SFIConfig
+    from sfi_sglang.integration.slots import Request, Slots
+    from sfi_sglang.method.config import SFIConfig
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +76,10 @@ def compat_key(cfg: SFIConfig) -> tuple:
     return (cfg.sinks, cfg.budget, tuple(sorted(cfg.dense_layers)), getattr(cfg, "method", "sfi"))
 
 
-def export_memory(backend: SFIAttnBackend, slot: int) -> Optional[NodeMemory]:
+def export_memory(slots: Slots, slot: int) -> Optional[NodeMemory]:
     """The slot's current selection (a copy), if it has one past the sinks."""
-    req = backend.requests.get(slot)
-    sel = backend.export_selection(slot)
+    req = slots.requests.get(slot)
+    sel = slots.export_selection(slot)
     if sel is None:
         return None
     positions, count, hi = sel
@@ -88,9 +88,9 @@ def export_memory(backend: SFIAttnBackend, slot: int) -> Optional[NodeMemory]:
     return NodeMemory(hi=hi, kind=compat_key(req.cfg), positions=positions, count=count)
 
 
-def start_request(backend: SFIAttnBackend, slot: int, req: Request, rid: Optional[str],
+def start_request(slots: Slots, slot: int, req: Request, rid: Optional[str],
                   prefix_len: int, seq_len: int) -> bool:
-    """Called by the backend at a request's first extend: import a shared memory when its
+    """Called by the backend's Slots at a request's first extend: import a shared memory when its
     matched prefix has one (True), else count a bootstrap selection to compute (False)."""
     mem = None
     for cache in CACHES:
@@ -101,7 +101,7 @@ def start_request(backend: SFIAttnBackend, slot: int, req: Request, rid: Optiona
         req.bootstrap_computed += 1
         BOOTSTRAPS["computed"] += 1
         return False
-    backend.import_selection(slot, mem.positions, mem.count, mem.hi)
+    slots.import_selection(slot, mem.positions, mem.count, mem.hi)
     BOOTSTRAPS["reused"] += 1
     return True
 
@@ -169,12 +169,11 @@ def _path(node: TreeNode, root: TreeNode) -> list[tuple[TreeNode, int]]:
     return out
 
 
-def sfi_backend(req_to_token_pool):
-    """The `sfi` attention backend serving this request pool, or None: the backend and
-    this cache share SGLang's ReqToTokenPool (the backend indexes its memories by its
-    slots), and SFIAttnBackend.__init__ registers itself on it as `sfi_backend`, so this
-    module needs no state of the backend's module."""
-    return getattr(req_to_token_pool, "sfi_backend", None)
+def sfi_slots(req_to_token_pool) -> Optional[Slots]:
+    """The request slots of the `sfi` attention backend serving this request pool, or None:
+    the backend and this cache share SGLang's ReqToTokenPool (the backend indexes its
+    memories by its slots) and the backend puts its Slots on it as `sfi_slots`."""
+    return getattr(req_to_token_pool, "sfi_slots", None)
 
 
 class SFIRadixCache(RadixCache):
@@ -206,10 +205,10 @@ class SFIRadixCache(RadixCache):
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
         if not req.finished():  # a decode retraction: the request comes back by a prefill
-            backend = sfi_backend(self.req_to_token_pool)
+            slots = sfi_slots(self.req_to_token_pool)
             slot = getattr(req.kv, "req_pool_idx", None)
-            if backend is not None and slot is not None:
-                backend.suspend(req.rid, slot)
+            if slots is not None and slot is not None:
+                slots.suspend(req.rid, slot)
         self._reqs.pop(req.rid, None)
         self._started.discard(req.rid)
 
@@ -229,12 +228,12 @@ class SFIRadixCache(RadixCache):
     # -------------------------------------------------------------- SFI memories
     def publish(self, req) -> Optional[TreeNode]:
         """Put the request's current selection on the node of its path holding hi-1."""
-        backend = sfi_backend(self.req_to_token_pool)
+        slots = sfi_slots(self.req_to_token_pool)
         slot = getattr(req.kv, "req_pool_idx", None)
-        owner = backend.requests.get(slot) if backend is not None and slot is not None else None
+        owner = slots.requests.get(slot) if slots is not None and slot is not None else None
         if owner is None or owner.rid != req.rid:
             return None
-        mem = export_memory(backend, slot)
+        mem = export_memory(slots, slot)
         if mem is None:
             return None
         target = None
@@ -288,6 +287,10 @@ class SFIRadixCache(RadixCache):
         for node_id in set(self.memories.nodes) - seen:
             problems.append(f"pool counts node {node_id}, which is not in the tree")
         return problems
+
+    def tracked(self) -> tuple[int, int]:
+        """(requests matched and not yet released, those whose first extend started)."""
+        return len(self._reqs), len(self._started)
 
     def stats(self) -> dict:
         return {"node_memories": len(self.memories), "capacity": self.memories.capacity,

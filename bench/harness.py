@@ -1,19 +1,19 @@
-"""`sfi-sglang bench throughput`: decode tokens/s, SFI vs dense, on a Qwen3-4B-shaped model
-with dummy (random) weights, at long contexts.
+"""The bench harness (`python bench/harness.py`): decode tokens/s, SFI vs dense, on a
+Qwen3-4B-shaped model with dummy (random) weights, at long contexts. Not part of the package.
 
 Real SGLang cannot run on the GPU machine we measure on (bench/NOTES.md, "End to end":
 its import pulls ~150 packages and its CUDA layers need sgl_kernel's CUDA ops), so this is
 the harness issue #5 allows: SGLang's memory layout (a req_to_token table and per-layer
 token-slot K/V buffers [slots, H_kv, D]), SGLang's method names (init_forward_metadata,
 forward_decode(q, k, v, layer, forward_batch)), and the product's own `sfi` backend
-(sfi_sglang.backend.SFIAttnBackend: plan, SparseMemory, kernels, Selector) driven by a
+(sfi_sglang.integration.backend.SFIAttnBackend: plan, SparseMemory, kernels, Selector) driven by a
 plain-torch decoder. The dense baseline is the same paged flash-decoding Triton kernel the
 slow steps use (kernels.dense_decode, SGLang's triton-backend design), so dense and SFI
 share every non-attention op.
 
 Steps: every decode step of the model (embedding to greedy argmax) is one CUDA graph; for
 SFI one graph serves every step, fast or slow, as in SGLang's graph runner: the device-side
-step plan (sfi_sglang.step) decides the rows inside it and a conditional node runs the slow
+step plan (sfi_sglang.method.step) decides the rows inside it and a conditional node runs the slow
 pass only when some row needs it. Random
 weights make boundaries meaningless, so SFI refreshes every `--slow-every` steps
 (`refresh="interval"`): a realistic rate of one slow step per ~24 tokens. The prompt's K/V
@@ -38,9 +38,10 @@ from typing import Optional
 
 import torch
 
-from sfi_sglang.backend import ACTIVE, SFIAttnBackend
-from sfi_sglang.boundary import TriggerPolicy
-from sfi_sglang.config import FAST_PATHS, SFIConfig, export_config
+from sfi_sglang.integration import state
+from sfi_sglang.integration.backend import SFIAttnBackend
+from sfi_sglang.method.config import FAST_PATHS, SFIConfig, export_config
+from sfi_sglang.method.memory import NO_WINDOW
 
 SHAPES = {
     # Qwen3-4B: 36 layers, hidden 2560, 32 query / 8 KV heads of 128, MLP 9728
@@ -80,6 +81,7 @@ class TokenToKVPool:
         return self.v[layer_id]
 
     def set_kv_buffer(self, layer, loc, k, v):
+        loc = getattr(loc, "loc", loc)  # SGLang's KVWriteLoc (the `sfi` backend) or the indices
         self.k[layer.layer_id][loc] = k.view(-1, *self.k[0].shape[1:]).to(self.k[0].dtype)
         self.v[layer.layer_id][loc] = v.view(-1, *self.v[0].shape[1:]).to(self.v[0].dtype)
 
@@ -130,6 +132,12 @@ class DenseBackend:
     def init_forward_metadata(self, forward_batch):
         pass
 
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+        pass
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        pass
+
     def init_cuda_graph_state(self, max_bs, max_num_tokens):
         pass
 
@@ -147,23 +155,6 @@ class DenseBackend:
                                                        compute_dtype=torch.float32)
             o = o.to(q.dtype)
         return o.reshape(q.shape[0], -1)
-
-
-class HarnessSFIBackend(SFIAttnBackend):
-    """The product's backend; only the three SGLang services are replaced (see
-    SFIAttnBackend: tokenizer boundary tables, KVWriteLoc, radix sharing)."""
-
-    def _make_policy(self, model_runner, max_slots):
-        vocab = model_runner.model_config.vocab_size
-        return TriggerPolicy(torch.zeros(vocab, dtype=torch.bool), torch.ones(vocab, dtype=torch.bool),
-                             max_slots, self.cfg, self.device)
-
-    def _save_kv(self, layer, forward_batch, k, v):
-        self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
-
-    def _share_prefix(self, slot, req, rid, prefix_len, seq_len):
-        req.bootstrap_computed += 1
-        return False
 
 
 # ---------------------------------------------------------------------- the model
@@ -292,8 +283,8 @@ class DummyModel:
                 o = q.reshape(B, -1)
             h = self._mlp(L, h + o @ L.o.T)
         logits = self._logits(h)
-        if backend is not None and hasattr(backend, "join_maintenance"):
-            backend.join_maintenance()
+        if backend is not None and hasattr(backend, "selection"):
+            backend.selection.join()
         return logits if return_logits else logits.argmax(-1)
 
     @torch.no_grad()
@@ -319,11 +310,25 @@ class DummyModel:
         return ks, vs, (logits if all_logits else logits[0])
 
 
+def tokenizer_dir() -> str:
+    """A tokenizer folder for the backend's boundary table (replaced by an empty one here):
+    $SFI_TOKENIZER_DIR (the GPU machine's copy, bench/sglang_h200.sh), else the embedded model's."""
+    import os
+
+    path = os.environ.get("SFI_TOKENIZER_DIR")
+    if path:
+        return path
+    from sfi_sglang.model import default_model_path
+
+    return default_model_path()
+
+
 # ---------------------------------------------------------------------- one configuration
 class Setup:
     """Pools, a batch of B requests of context n, and both backends."""
 
-    def __init__(self, model: DummyModel, cfg: SFIConfig, n: int, batch: int, steps: int, device, dtype):
+    def __init__(self, model: DummyModel, cfg: SFIConfig, n: int, batch: int, steps: int, device, dtype,
+                 packed: Optional[bool] = None):
         s = model.s
         self.model, self.n, self.B, self.steps = model, n, batch, steps
         cap = n + steps + 8
@@ -342,9 +347,22 @@ class Setup:
         runner = SimpleNamespace(device=torch.device(device), req_to_token_pool=self.r2t_pool,
                                  token_to_kv_pool=self.kv,
                                  model_config=SimpleNamespace(num_hidden_layers=s.layers, vocab_size=s.vocab,
-                                                              num_attention_heads=s.heads))
+                                                              num_attention_heads=s.heads),
+                                 server_args=SimpleNamespace(tokenizer_path=tokenizer_dir(), model_path=None,
+                                                             trust_remote_code=False, tp_size=1))
         export_config(cfg)
-        self.sfi = HarnessSFIBackend(runner, self.dense)
+        self.sfi = SFIAttnBackend(runner, self.dense)
+        # random weights make boundaries meaningless: no boundary token, every token content
+        # (slow steps come every --slow-every steps, refresh "interval")
+        self.sfi.install_boundaries(torch.zeros(s.vocab, dtype=torch.bool), torch.ones(s.vocab, dtype=torch.bool),
+                                    spec="none", version=0)
+        if packed is not None and packed != self.sfi.memory.packed:
+            # the kernel path on CPU tensors (tests, under TRITON_INTERPRET=1): the same memory
+            # object re-made in place, so every part of the backend holding it sees it
+            m = self.sfi.memory
+            m.__init__(m.num_layers, m.sparse_layer_ids, m.max_slots, m.num_kv_heads, m.head_dim, cfg,
+                       m.device, m.dtype, packed=packed)
+            m.fast_ws[0] = NO_WINDOW  # SGLang's padding slot, as the backend sets it
         self.sfi.init_cuda_graph_state(batch, batch)  # as SGLang's graph runner does
         self.fill(seed=1)
 
@@ -359,7 +377,7 @@ class Setup:
             kk = torch.randn(shape, generator=g, device=k.device, dtype=torch.float32).to(k.dtype)
             k[locs] = kk
             v[locs] = torch.randn(shape, generator=g, device=v.device, dtype=torch.float32).to(v.dtype)
-            store_key_norms(kk, locs, self.sfi.key_norms[lid])
+            store_key_norms(kk, locs, self.sfi.norms.layers[lid])
             del kk
 
     def write_prompt(self, ks, vs):
@@ -372,7 +390,7 @@ class Setup:
             kk = ks[lid].to(k.dtype).repeat(self.B, 1, 1)
             k[locs] = kk
             v[locs] = vs[lid].to(v.dtype).repeat(self.B, 1, 1)
-            store_key_norms(kk, locs, self.sfi.key_norms[lid])
+            store_key_norms(kk, locs, self.sfi.norms.layers[lid])
 
     def reset(self, first_ids: torch.Tensor):
         """Every request back at context n (its last prompt token as input), SFI memory
@@ -383,11 +401,11 @@ class Setup:
         fb.out_cache_loc.copy_(self.base + self.n - 1)
         fb.input_ids.copy_(first_ids)
         slots = fb.req_pool_indices.tolist()
-        self.sfi._on_alloc_rows(slots)
+        self.sfi.slots.on_alloc_rows(slots)
         ext = Batch(req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens, input_ids=fb.input_ids,
                     out_cache_loc=fb.out_cache_loc, positions=fb.positions, rids=fb.rids,
                     forward_mode=Mode(False), extend_prefix_lens_cpu=[0] * self.B)
-        self.sfi._start_requests(ext)
+        self.sfi.slots.start_requests(ext)
 
     def advance(self, next_ids: torch.Tensor):
         fb = self.fb
@@ -468,9 +486,9 @@ class Runner:
         def one():
             # SGLang's protocol: the host part outside the graph, the step plan and the
             # model inside it; one graph serves any mix of fast, slow and dense rows
-            be._out_graph(st.fb)
+            be.init_forward_metadata_out_graph(st.fb)
             if not self.graphs:
-                be._in_graph(st.fb)
+                be.init_forward_metadata_in_graph(st.fb)
                 return m.step(be, st.fb)
             if self._sfi_graph is None:
                 self._sfi_graph = self._capture()
@@ -502,7 +520,7 @@ class Runner:
         saved = [t.clone() for t in live + state]
 
         def step():
-            be._in_graph(fb)
+            be.init_forward_metadata_in_graph(fb)
             return m.step(be, fb)
 
         graph = _graph(step)
@@ -541,7 +559,7 @@ class Runner:
         be.init_forward_metadata(st.fb)  # the first step selects (no selection yet)
         st.advance(m.step(be, st.fb))
         be.init_forward_metadata(st.fb)  # then a fast step (interval >= 2)
-        assert not bool(be.step.rows.slow.any())
+        assert not bool(be.meta.rows.slow.any())
         last = attn[-1]
         kc, vc = st.kv.get_key_buffer(last.layer_id), st.kv.get_value_buffer(last.layer_id)
         q3 = q.view(B, s.heads, s.head_dim)
@@ -572,7 +590,7 @@ class Runner:
         # slow attention: every row slow (forced)
         be.policy.since[st.fb.req_pool_indices] = be.policy.max_interval[st.fb.req_pool_indices]
         be.init_forward_metadata(st.fb)
-        assert bool(be.step.rows.slow.all())
+        assert bool(be.meta.rows.slow.all())
         res["slow_attn"] = self._time(sfi_attn, reps)
         if layers_too and sparse:  # one layer's whole slow pass (dense + scores, Selector, store)
             res["sfi_slow_layer"] = self._time(sfi_layer, reps)
@@ -629,7 +647,7 @@ def throughput(args) -> dict:
         _layer_ratios(row)
         rows.append(row)
         tqdm.write(json.dumps(_rounded(row)))
-        ACTIVE.remove(st.sfi)
+        state.BACKENDS.remove(st.sfi)
         del st, run
         gc.collect()
         if device == "cuda":
@@ -649,11 +667,11 @@ def _decode_row(args, cfg, run, first, n: int, b: int) -> dict:
     sfi_ids, t_sfi, n_slow = run.run_sfi(first, args.steps)
     async_row = {}
     if args.async_maintenance:
-        st.sfi.enable_async_maintenance()
+        st.sfi.selection.enable_async()
         arun = Runner(st, not args.no_cuda_graph)
         arun.run_sfi(first, args.steps)
         a_ids, t_async, _ = arun.run_sfi(first, args.steps)
-        st.sfi.enable_async_maintenance(False)
+        st.sfi.selection.enable_async(False)
         async_row = {"sfi_async_tok_s": b * args.steps / t_async,
                      "async_saved_ms_per_step": (t_sfi - t_async) / args.steps * 1e3,
                      "async_tokens_equal_sync": bool(torch.equal(a_ids, sfi_ids))}
@@ -718,9 +736,9 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="sfi-sglang bench throughput",
+    p = argparse.ArgumentParser(prog="python bench/harness.py",
                                 description="decode tokens/s, SFI vs dense (Qwen3-4B shape, dummy "
-                                            "weights, SGLang-layout pools; see sfi_sglang/bench.py)")
+                                            "weights, SGLang-layout pools; see bench/harness.py)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
     p.add_argument("--configs", default="8192x1,8192x64,32768x1,32768x16,131072x1,131072x4",
                    help="comma-separated CONTEXTxBATCH")
@@ -769,6 +787,12 @@ def main(argv: list[str]) -> int:
         plot(result, args.out + ".png")
         print(f"wrote {args.out}.png")
     except ImportError as err:  # no matplotlib on the GPU machine: plot the JSON later
-        print(f"no plot ({err}); python -c 'import json, sfi_sglang.bench as b; "
+        print(f"no plot ({err}); python -c 'import json, sys; sys.path.insert(0, \"bench\"); import harness as b; "
               f"b.plot(json.load(open(\"{args.out}.json\")), \"{args.out}.png\")'")
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

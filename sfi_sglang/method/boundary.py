@@ -10,12 +10,12 @@ items ("1.") count as boundaries when they are single tokens; "3.14" does not.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 if TYPE_CHECKING:  # only for annotations: config imports this module (spec validation)
-    from sfi_sglang.config import SFIConfig
+    from sfi_sglang.method.config import SFIConfig
 
 MARK_CLASSES = {
     "latin": (".", "?", "!", "\u2026"),          # . ? ! …
@@ -89,12 +89,6 @@ def _decode_vocab(tokenizer) -> list[str]:
                                       clean_up_tokenization_spaces=False)
     except Exception:  # slow or unusual tokenizers: one id at a time
         return [tokenizer.decode(i, skip_special_tokens=False) for i in ids]
-
-
-def boundary_token_ids(tokenizer, spec: str = "default") -> list[int]:
-    """Sorted ids of the tokenizer's boundary tokens (special tokens excluded)."""
-    is_b, _ = boundary_tables(tokenizer, spec)
-    return torch.nonzero(is_b).flatten().tolist()
 
 
 def boundary_tables(tokenizer, spec: str = "default", vocab_size: int | None = None,
@@ -178,6 +172,32 @@ class TriggerPolicy:
         is_b, is_c = boundary_tables(tokenizer, cfg.boundaries, vocab_size, device)
         return cls(is_b, is_c, max_slots, cfg, device)
 
+    def install(self, is_boundary: torch.Tensor, is_content: torch.Tensor) -> None:
+        """A new boundary table (from the tokenizer side, sfi_sglang.router), copied in place,
+        so the tables' addresses stay valid in captured graphs; the next decode step uses
+        it. Ids past the given tables are neither."""
+        for src, dst in ((is_boundary, self.is_boundary), (is_content, self.is_content)):
+            n = min(dst.numel(), src.numel())
+            full = torch.zeros(dst.numel(), dtype=torch.bool)
+            full[:n] = src[:n].cpu()
+            dst.copy_(full.to(dst.device))
+
+    def table_summary(self, spec: str, version: int) -> dict:
+        """What GET /sfi/boundaries reports of the installed table (host sync)."""
+        import time
+
+        return {"spec": spec, "version": version, "vocab_size": self.vocab,
+                "num_boundary": int(self.is_boundary.sum()),
+                "num_content": int(self.is_content.sum()), "installed_at": time.time()}
+
+    def mark_pending(self, slots: torch.Tensor, rows: torch.Tensor, slow: torch.Tensor) -> None:
+        """Per-request boundaries (extra_boundary_rows) at batch rows `rows` of a step whose
+        slots and slow rows are given: the refresh is pending after this step, as for a
+        table boundary in `step` (outside the cooldown, not at a slow step)."""
+        rows = rows.to(slots.device)
+        s = slots[rows].to(torch.int64)
+        self.pending[s] |= (self.since[s] > self.cooldown[s]) & ~slow[rows]
+
     def reset(self, slots: torch.Tensor, cfg: SFIConfig | None = None) -> None:
         """New requests in `slots` (or a bootstrap refresh): distance 0, nothing pending,
         per-slot trigger parameters from cfg (default: the policy's cfg)."""
@@ -246,3 +266,74 @@ class TriggerPolicy:
         self.since[slots] = torch.where(slow, torch.zeros_like(d), d)
         self.pending[slots] = ~slow & (pending | take)
         return slow
+
+
+def extra_boundary_rows(input_ids: torch.Tensor, extra_ids: list, grammars: list):
+    """Batch rows [k] int64 whose input token is a per-request boundary, or None (host):
+    a request's extra boundary ids (extra_ids[i], a list or None) and grammar-aware
+    boundaries (a grammar of sfi_sglang.integration.grammar flags, in `sfi_boundary`, the
+    token that ended a JSON field; the flag is consumed here)."""
+    if not any(extra_ids) and not any(g is not None for g in grammars):
+        return None  # the common case: no host read
+    ids = input_ids.tolist()
+    hit = []
+    for i in range(len(extra_ids)):
+        g = grammars[i] if i < len(grammars) else None
+        flagged = bool(getattr(g, "sfi_boundary", False))
+        if flagged:
+            g.sfi_boundary = False
+        if flagged or (extra_ids[i] and ids[i] in extra_ids[i]):
+            hit.append(i)
+    return torch.tensor(hit, dtype=torch.int64) if hit else None
+
+
+class AdaptiveMonitor:
+    """What refresh "adaptive" reads: the fast step's log-sum-exps of the sparse layers at
+    1/4, 1/2 and 3/4 of the server's sparse layers (middle layers: the first attend broadly,
+    the last follow the output), [layers, rows, H_q], written by the fast kernel and read
+    once per step by TriggerPolicy.observe. A buffer made once (graphs write into it); no
+    layers and no buffer in the other refresh modes."""
+
+    def __init__(self, policy: TriggerPolicy, sparse_ids: list[int], max_slots: int, num_q_heads: int,
+                 device, on: bool):
+        self.policy = policy
+        self.layers = sorted({sparse_ids[len(sparse_ids) * k // 4] for k in (1, 2, 3)}) if on and sparse_ids else []
+        self.index = {lid: i for i, lid in enumerate(self.layers)}
+        self.layer_t = torch.tensor(self.layers, dtype=torch.int64, device=device)
+        self.lse = None
+        if self.layers:
+            policy.monitor(len(self.layers), num_q_heads)
+            self.lse = torch.full((len(self.layers), max_slots, num_q_heads), float("-inf"),
+                                  dtype=torch.float32, device=device)
+
+    def rows(self, rows: int) -> torch.Tensor:
+        """The buffer's first `rows` rows [layers, rows, H_q]; grown outside a capture when
+        an eager step has more rows than request slots."""
+        if self.lse.shape[1] < rows:
+            if self.lse.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"SFI: a CUDA graph of {rows} rows was captured beyond the "
+                                   f"{self.lse.shape[1]} rows of the adaptive trigger's buffer")
+            self.lse = torch.full((self.lse.shape[0], rows, self.lse.shape[2]), float("-inf"),
+                                  dtype=torch.float32, device=self.lse.device)
+        return self.lse[:, :rows]
+
+    def out(self, lid: int, rows: int, row: Optional[int] = None) -> Optional[torch.Tensor]:
+        """The fast kernel's lse_out at layer lid for a step of `rows` rows ([rows, H_q], or
+        row `row` alone [1, H_q]), or None where the layer is not monitored."""
+        k = self.index.get(lid)
+        if k is None:
+            return None
+        buf = self.rows(rows)[k]
+        return buf if row is None else buf[row:row + 1]
+
+    def observe(self, rows, slots: torch.Tensor, b: int, host_fast=()) -> None:
+        """The trigger's verdict for each row's next step, from this step's log-sum-exps
+        (their fast passes, device rows and host rows: host_fast (row, fast) pairs). A row
+        that keeps a monitored layer dense (its own dense_layers) has no memory there to
+        judge: it is not observed."""
+        fast = rows.on & ~rows.slow & ~rows.dense.index_select(1, self.layer_t).any(1)
+        if host_fast:  # eager steps only
+            fast = fast.clone()
+            for i, f in host_fast:
+                fast[i] = f
+        self.policy.observe(slots, self.rows(b), fast)

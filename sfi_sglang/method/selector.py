@@ -1,4 +1,5 @@
-"""The Selector: slow-step attention logits -> K positions per KV head (SFI_SPEC.md).
+"""The Selector: slow-step attention logits -> K positions per KV head
+(../shared/SFI_SPEC.md, the method's spec beside this repository).
 
 Every step is a plain batched function over
     B: any flattened batch (layers x requests),  H: KV heads,
@@ -12,14 +13,21 @@ Candidate range convention (used by the backend): for a sequence of length n at
 selection time, lo = sinks and hi = max(lo, n - window); the selector chooses among
 positions [lo, hi). If hi - lo <= k, every candidate is selected, so the sparse
 memory (sinks + selected + window) is the whole history.
+
+`KeyNorms` holds the cached ||k_j|| the prior reads; `Selection` runs the Selector where a
+selection is made (a prompt's end, a slow row's layer, or every sparse layer of a slow step
+at once) and stores the result in the SparseMemory.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
-from sfi_sglang.config import SFIConfig
+from sfi_sglang.method.baselines import snapkv_select
+from sfi_sglang.method.config import SFIConfig
 
 NEG_INF = float("-inf")
 
@@ -320,3 +328,144 @@ def select_key_fused(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Te
         lam_max = torch.full((b,), cfg.lambda_max_single if int(n_rows) == 1 else cfg.lambda_max_multi,
                              dtype=torch.float32, device=logits.device)
     return kernels.fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg, norm_tokens=norm_tokens)
+
+
+# ------------------------------------------------------------------ where selections are made
+class KeyNorms:
+    """||k|| per layer, KV-pool token and KV head (float32), written with K, so a request
+    reusing a cached prefix reuses its norms. One tensor per layer, like SGLang's K and V
+    buffers, each 16-byte aligned (Triton specializes on pointer alignment, so every layer
+    runs the same kernel variant); they are views of one tensor whose layers start 4 rows
+    apart, so the batched Selector gathers every layer's norms through one pointer."""
+
+    def __init__(self, num_layers: int, tokens: int, num_kv_heads: int, device):
+        self.rows = -(-tokens // 4) * 4  # a layer's stride in the flat view
+        self.all = torch.zeros(num_layers, self.rows, num_kv_heads, dtype=torch.float32, device=device)
+        self.layers = [n[:tokens] for n in self.all.unbind(0)]
+
+    def store(self, k: torch.Tensor, layer, out_cache_loc: torch.Tensor) -> None:
+        from sfi_sglang.kernels import store_key_norms
+
+        store_key_norms(k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim), out_cache_loc,
+                        self.layers[layer.layer_id])
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.layers)
+
+    def flat(self) -> torch.Tensor:
+        """[layers * rows, H_kv]: layer l's token t at row l * rows + t."""
+        return self.all.view(-1, self.all.shape[-1])
+
+
+class Selection:
+    """Runs the Selector and stores its positions in `memory`. kv(lid) -> (K, V) buffers of
+    the layer, req_to_token maps (slot, position) to KV-pool tokens. With a side stream
+    (asynchronous maintenance, CUDA) a layer's Selector and pack overlap the step's later
+    layers, and the next forward waits for them (`join`)."""
+
+    def __init__(self, cfg: SFIConfig, memory, norms: KeyNorms, kv, req_to_token, sparse_ids: list[int]):
+        self.cfg, self.memory, self.norms, self.kv, self.req_to_token = cfg, memory, norms, kv, req_to_token
+        self.sparse_ids = sparse_ids
+        dev = memory.device
+        self.sparse_t = torch.tensor(sparse_ids, dtype=torch.int64, device=dev)
+        self.norm_offsets = torch.tensor([lid * norms.rows for lid in sparse_ids], dtype=torch.int32, device=dev)
+        self.side_stream = None
+        self._side_pending = False  # side-stream work not yet joined
+
+    def enable_async(self, on: bool = True) -> None:
+        self.side_stream = torch.cuda.Stream(self.memory.device) if on and torch.cuda.is_available() else None
+
+    def join(self) -> None:
+        """The current stream waits for the side stream's Selector + pack work (at each
+        forward's start; a captured step must call it before its capture ends)."""
+        if self.side_stream is not None and self._side_pending:
+            torch.cuda.current_stream(self.memory.device).wait_stream(self.side_stream)
+            self._side_pending = False
+
+    def positions(self, cfg: SFIConfig, logits, norms, lo, hi, n_rows, norm_tokens=None) -> torch.Tensor:
+        """Selected positions [b, H_kv, <= K] (sorted, -1 padded) from logits [b, H_kv, R', N];
+        lo, hi [b] int64 tensors on the logits' device; norms as in `select`."""
+        if cfg.method == "snapkv":
+            out = torch.full((logits.shape[0], logits.shape[1], cfg.budget), -1, dtype=torch.int64)
+            for i, (l, h) in enumerate(zip(lo.tolist(), hi.tolist())):
+                sel = snapkv_select(logits[i].cpu(), l, h, cfg.budget)
+                out[i, :, :sel.shape[1]] = sel
+            return out.to(logits.device)
+        return select(logits, norms, lo, hi, cfg.budget, n_rows, cfg, norm_tokens=norm_tokens)
+
+    def bootstrap(self, lid: int, q_rows: torch.Tensor, slot: int, n: int, cfg: SFIConfig,
+                  scaling: float) -> None:
+        """A prompt's end (chunk) at context length n: select from the logits of its last
+        query rows q_rows [R, H_q, D] (host; prefill is eager)."""
+        k_cache, v_cache = self.kv(lid)
+        rows = q_rows.shape[0]
+        lo, hi = cfg.sinks, max(cfg.sinks, n - cfg.window)
+        if hi > lo:
+            tokens = self.req_to_token[slot, :n].long()
+            keys = k_cache[tokens].float()  # [n, H_kv, D]
+            hkv = keys.shape[1]
+            qg = q_rows.float().reshape(rows, hkv, -1, q_rows.shape[-1])
+            logits = torch.einsum("rhgd,nhd->hgrn", qg, keys) * scaling  # [H_kv, G, R, n]
+            row_pos = torch.arange(n - rows, n, device=keys.device)
+            causal = torch.arange(n, device=keys.device)[None, :] > row_pos[:, None]  # [R, n]
+            logits = logits.masked_fill(causal, float("-inf")).reshape(1, hkv, -1, n)
+            norms = self.norms.layers[lid][tokens].transpose(0, 1)[None]  # [1, H_kv, n]
+            bounds = torch.tensor([[lo], [hi]], device=keys.device)
+            pos = self.positions(cfg, logits, norms, bounds[0], bounds[1], rows)
+        else:
+            pos = torch.empty(1, k_cache.shape[1], 0, dtype=torch.int64)
+        self.memory.store(lid, [slot], pos, min(cfg.budget, hi - lo), hi, k_cache, v_cache,
+                          self.req_to_token, seq_lens=torch.tensor([n]))
+
+    def layer(self, lid: int, slots, slow_rows, scores, seq_lens, cfg: Optional[SFIConfig] = None) -> None:
+        """One layer's rows `slow_rows` [B] select from their dense logits scores [B, H_q, N]
+        (other rows: no candidates, memory unchanged); `cfg` default the server's. No host
+        sync, no host-made tensor: CUDA-graph capturable (snapkv aside)."""
+        cfg = cfg or self.cfg
+        b, hq, n = scores.shape
+        hkv = self.memory.num_kv_heads
+        logits = scores.view(b, hkv, hq // hkv, n)
+        tokens = self.req_to_token[slots, :n]  # position -> KV slot
+        lo, hi = candidate_range(seq_lens, cfg.sinks, cfg.window)
+        hi = torch.where(slow_rows, hi, lo)
+        # the Selector gathers the key norms of the candidates itself (in-kernel on CUDA)
+        pos = self.positions(cfg, logits, self.norms.layers[lid], lo, hi, 1, norm_tokens=tokens)
+        k_cache, v_cache = self.kv(lid)
+        self.memory.store(lid, slots, pos, (hi - lo).clamp_max(cfg.budget), hi, k_cache, v_cache,
+                          self.req_to_token, seq_lens=seq_lens, rows=slow_rows)
+
+    def layer_maybe_async(self, lid: int, slots, slow_rows, scores, seq_lens) -> None:
+        """`layer`, on the side stream when asynchronous maintenance is on."""
+        side = self.side_stream
+        if side is None:
+            self.layer(lid, slots, slow_rows, scores, seq_lens)
+            return
+        side.wait_stream(torch.cuda.current_stream(self.memory.device))
+        self._side_pending = True
+        with torch.cuda.stream(side):
+            self.layer(lid, slots, slow_rows, scores, seq_lens)
+        for t in (scores, seq_lens, slow_rows):  # made on the main stream, used on the side
+            t.record_stream(side)
+
+    def layers(self, slots, slow_l, scores, seq_lens) -> None:
+        """The step's end: the Selector for every sparse layer at once, over their scores
+        [L_sparse, B, H_q, N] (rows = layers x requests; the key norms of each layer through
+        its offset into the flat norms), then each layer's store of its slow rows slow_l
+        [L, B]. A layer's selection is first read by the next step's fast kernel, and a slow
+        row's output at this step is its dense pass's: the same result as selecting layer by
+        layer. No host sync."""
+        ls, b, hq, n = scores.shape
+        cfg, mem = self.cfg, self.memory
+        logits = scores.view(ls * b, mem.num_kv_heads, hq // mem.num_kv_heads, n)
+        lo, hi = candidate_range(seq_lens, cfg.sinks, cfg.window)
+        slow = slow_l.index_select(0, self.sparse_t)  # [L_sparse, B]
+        lo_all = torch.full((ls * b,), cfg.sinks, dtype=torch.int64, device=hi.device)
+        tokens = self.req_to_token[slots, :n]
+        norm_tokens = (tokens[None] + self.norm_offsets[:, None, None]).view(ls * b, n)
+        pos = select(logits, self.norms.flat(), lo_all, torch.where(slow, hi, cfg.sinks).view(-1),
+                     cfg.budget, 1, cfg, norm_tokens=norm_tokens)
+        cnt = (hi - cfg.sinks).clamp_max(cfg.budget)
+        for i, lid in enumerate(self.sparse_ids):
+            k_cache, v_cache = self.kv(lid)
+            mem.store(lid, slots, pos[i * b:(i + 1) * b], cnt, hi, k_cache, v_cache, self.req_to_token,
+                      seq_lens=seq_lens, rows=slow[i])

@@ -4,10 +4,10 @@ SGLang's schedulers run in subprocesses and export through prometheus_client's
 multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by SGLang before it starts them; the HTTP
 process's /metrics reads every process's files). The series are therefore created in the
 scheduler process that updates them, when SGLang makes its own scheduler collector
-(sfi_sglang.hooks), with the same labels (model_name, engine_type, tp_rank, ...).
+(sfi_sglang.integration.hooks), with the same labels (model_name, engine_type, tp_rank, ...).
 
 Everything is updated where the host reads SFI's state anyway: when a request's output is
-sent (its meta_info["sfi"], SFIAttnBackend.request_stats), never per decode step. So a
+sent (its meta_info["sfi"], Slots.request_stats), never per decode step. So a
 request's steps are counted when it finishes (aborted requests included).
 
     sglang:sfi_fast_steps_total                      fast decode steps
@@ -21,7 +21,7 @@ request's steps are counted when it finishes (aborted requests included).
                                                      the memory stopped covering the query),
                                                      retraction (the re-prefill of a request
                                                      SGLang retracted), other (past the
-                                                     per-request log of sfi_sglang.step.SLOW_LOG
+                                                     per-request log of sfi_sglang.method.step.SLOW_LOG
                                                      slow steps)
     sglang:sfi_selections_total{source}              new selections of a request's memory:
                                                      prefill (the Selector at prefill end),
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from sfi_sglang.step import SLOW_LOG
+from sfi_sglang.method.step import SLOW_LOG
 
 CAUSES = ("boundary", "interval", "bootstrap", "adaptive", "retraction", "other")
 
@@ -148,14 +148,14 @@ class SFIMetrics:
 
     def update_state(self, backend, radix_pool) -> None:
         """The gauges and the radix counters, from host state (no device read); radix_pool:
-        the radix cache's NodeMemoryPool (sfi_sglang.radix) or None."""
+        the radix cache's NodeMemoryPool (sfi_sglang.integration.radix) or None."""
         mem = backend.memory
         if self._sizes is None:  # fixed at allocation
-            norms = sum(t.numel() * t.element_size() for t in backend.key_norms)
+            norms = backend.norms.bytes()
             self._sizes = (mem.bytes() // max(1, mem.max_slots), mem.bytes() + norms)
             self.slots.labels(**self.labels).set(mem.max_slots)
             self.bytes.labels(**self.labels).set(self._sizes[1])
-        in_use = len(backend.by_rid)
+        in_use = len(backend.slots.by_rid)
         self.slots_in_use.labels(**self.labels).set(in_use)
         self.bytes_in_use.labels(**self.labels).set(in_use * self._sizes[0])
         if radix_pool is None:

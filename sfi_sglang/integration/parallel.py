@@ -18,7 +18,7 @@ and the request's options, which every rank sees the same, so every rank takes t
 decisions; only rank 0's are sent with the output (meta_info["sfi"]). To show it, each rank
 keeps the decision log of its last MAX_DECISIONS finished requests, and `/sfi/stats`
 (Scheduler.get_internal_state, which every TP rank runs for the same request; the hook is
-sfi_sglang.hooks._add_sfi_state) gathers every rank's summary over the TP group's CPU
+sfi_sglang.integration.hooks._add_sfi_state) gathers every rank's summary over the TP group's CPU
 (gloo) group into "tp_ranks"; GET /sfi/boundaries
 gathers each rank's installed table the same way.
 """
@@ -33,7 +33,7 @@ MAX_DECISIONS = 256
 DECISIONS: "OrderedDict[str, dict]" = OrderedDict()
 
 def record(rid, stats: dict) -> None:
-    """A finished request's decisions on this rank (from SFIAttnBackend.request_stats)."""
+    """A finished request's decisions on this rank (from Slots.request_stats)."""
     if rid is None:
         return
     DECISIONS[rid] = {"slow_at": list(stats.get("slow_at", [])),
@@ -64,12 +64,11 @@ def tp_gather(scheduler, obj) -> list:
 
 
 def rank_summary(scheduler) -> dict:
-    from sfi_sglang import radix
-    from sfi_sglang.backend import ACTIVE
+    from sfi_sglang.integration import radix, state
 
     out = {"tp_rank": tp_rank(), "pid": os.getpid()}
     try:
-        be = ACTIVE[-1] if ACTIVE else None
+        be = state.active()
         if be is not None:
             out.update(num_kv_heads=be.memory.num_kv_heads, num_q_heads=be.num_q_heads,
                        boundaries={k: be.boundaries[k] for k in ("spec", "version", "num_boundary")})

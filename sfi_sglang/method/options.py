@@ -1,5 +1,6 @@
 """Per-request SFI options: custom_params["sfi"] parsed and checked against the server's
-config, and the host-side record of the request in a slot (what meta_info reports)."""
+config and the model. The one home of request options: the tokenizer side checks them here
+(HTTP 400 on a bad one) and the scheduler's `sfi` backend reads them through here."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Optional
 
 import os
 
-from sfi_sglang.config import SFIConfig, SFIConfigError
+from sfi_sglang.method.config import SFIConfig, SFIConfigError
 
 # Set (to "1") by sfi_sglang.engine when the server runs its decode steps eagerly (no CUDA
 # graphs): only then may a request use options that the device-side step cannot serve.
@@ -38,11 +39,15 @@ class ModelLimits:
 def request_options(custom_params) -> tuple[bool, dict]:
     """(enabled, config overrides) from a request's custom_params["sfi"]; raises
     SFIConfigError on a bad value. `enabled` defaults to True."""
-    opts = (custom_params or {}).get("sfi") if isinstance(custom_params, dict) else None
+    if custom_params is None:
+        return True, {}
+    if not isinstance(custom_params, dict):
+        raise SFIConfigError(f'"custom_params" must be a JSON object, got {_json_type(custom_params)}')
+    opts = custom_params.get("sfi")
     if opts is None:
         return True, {}
     if not isinstance(opts, dict):
-        raise SFIConfigError(f'custom_params["sfi"] must be an object, got {type(opts).__name__}')
+        raise SFIConfigError(f'custom_params["sfi"] must be a JSON object, got {_json_type(opts)}')
     opts = dict(opts)
     enabled = opts.pop("enabled", True)
     if not isinstance(enabled, bool):
@@ -51,7 +56,7 @@ def request_options(custom_params) -> tuple[bool, dict]:
     # side by sfi_sglang.router into custom_params[EXTRA_IDS_KEY]); not a config field
     extra = opts.pop("extra_boundaries", None)
     if extra is not None:
-        from sfi_sglang.boundary import parse_boundary_spec
+        from sfi_sglang.method.boundary import parse_boundary_spec
 
         try:
             parse_boundary_spec(extra)
@@ -108,7 +113,7 @@ def _check_model_limits(cfg: SFIConfig, overrides: dict, model: ModelLimits) -> 
 
 
 def on_device_path(cfg: SFIConfig, server: SFIConfig) -> bool:
-    """Whether the device-side decode step (sfi_sglang.step, the server's Selector, budget
+    """Whether the device-side decode step (sfi_sglang.method.step, the server's Selector, budget
     and window) serves a request with this config; otherwise it runs on the host path,
     eagerly only."""
     same = all(getattr(cfg, f) == getattr(server, f) for f in SFIConfig.__dataclass_fields__
@@ -116,41 +121,10 @@ def on_device_path(cfg: SFIConfig, server: SFIConfig) -> bool:
     return same and set(server.dense_layers) <= set(cfg.dense_layers)
 
 
-@dataclass
-class Request:
-    """Host-side record of the request in a slot: its options and what the output reports.
-    Its sparse memory (selections, step counters) is in SFIAttnBackend.memory and its
-    decode-step state in SFIAttnBackend.step (sfi_sglang.step), indexed by the same slot."""
-
-    cfg: SFIConfig
-    enabled: bool
-    rid: Optional[str] = None
-    host: bool = False  # runs on the host path (eager only): sfi_sglang.requests.on_device_path
-    bootstrap: bool = False
-    has_selection: bool = False  # host path: the memory holds a selection
-    # bootstrap selections computed here vs imported from a shared prefix (sfi_sglang.radix)
-    bootstrap_computed: int = 0
-    bootstrap_reused: int = 0
-    imported: bool = False  # this start's selection came from a shared prefix (sfi_sglang.radix)
-    # decode steps whose token a re-prefill made after SGLang retracted the request
-    # (backend.suspend); each counts as a slow step of an SFI request
-    retracted_at: tuple = ()
-
-    @property
-    def refreshes(self) -> bool:
-        """Whether this request's method keeps a selection (made at prefill end / slow steps)."""
-        return self.cfg.method in ("sfi", "snapkv")
-
-    @property
-    def baseline(self) -> bool:
-        """Methods whose fast steps choose positions per step on the host (eval baselines)."""
-        return self.cfg.method in ("streaming", "quest")
-
-    def stats(self, fast_steps: int, slow_steps: int, slow_at: list) -> dict:
-        return {"enabled": self.enabled, "fast_steps": fast_steps,
-                "slow_steps": slow_steps, "bootstrap": self.bootstrap,
-                "bootstrap_computed": self.bootstrap_computed,
-                "bootstrap_reused": self.bootstrap_reused,
-                "retractions": len(self.retracted_at), "retracted_at": list(self.retracted_at),
-                "slow_at": list(slow_at),
-                "budget": self.cfg.budget, "window": self.cfg.window, "sinks": self.cfg.sinks}
+def _json_type(value) -> str:
+    """The JSON name of a decoded value's type, for error messages."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {str: "a string", list: "an array", type(None): "null"}.get(type(value), type(value).__name__)

@@ -1,0 +1,2 @@
+"""The method: SFI's config, boundary policy, Selector, sparse memory and decode-step plan,
+with no SGLang import."""
