@@ -42,6 +42,7 @@ from sfi_sglang.integration import state
 from sfi_sglang.integration.backend import SFIAttnBackend
 from sfi_sglang.method.config import FAST_PATHS, SFIConfig, export_config
 from sfi_sglang.method.memory import NO_WINDOW
+from sfi_sglang.method.step import ScoreBuffers
 
 SHAPES = {
     # Qwen3-4B: 36 layers, hidden 2560, 32 query / 8 KV heads of 128, MLP 9728
@@ -363,6 +364,9 @@ class Setup:
             m.__init__(m.num_layers, m.sparse_layer_ids, m.max_slots, m.num_kv_heads, m.head_dim, cfg,
                        m.device, m.dtype, packed=packed)
             m.fast_ws[0] = NO_WINDOW  # SGLang's padding slot, as the backend sets it
+            sc = self.sfi.scores  # and the score buffers of that path
+            self.sfi.scores = ScoreBuffers(m.device, packed, m.max_slots, sc.num_sparse, sc.num_q_heads,
+                                           sc.width, batched=cfg.method == "sfi")
         self.sfi.init_cuda_graph_state(batch, batch)  # as SGLang's graph runner does
         self.fill(seed=1)
 

@@ -142,6 +142,36 @@ def free_engine(engine) -> None:
                 time.sleep(1)
 
 
+
+def runner(engine):
+    """run(prompts, new) -> (seconds, outputs): one greedy generate of `new` tokens each."""
+    def run(ps, new):
+        sp = dict(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+        t = time.perf_counter()
+        outs = engine.generate(input_ids=ps, sampling_params=sp)
+        dt = time.perf_counter() - t
+        for o in outs:
+            assert len(o["output_ids"]) == new, (len(o["output_ids"]), new)
+        return dt, outs
+    return run
+
+
+def time_decode(run, ps, steps: int, slow_every: int):
+    """ms per decode step of the batch `ps` (prefilled before: its prefixes are cached):
+    a warm-up decode past one slow step, so that no first-call compile of a kernel is timed
+    (run S4-5 timed some, section 7 of bench/NOTES.md), then (t(steps + 1) - t(1)) / steps."""
+    run(ps, slow_every + 2)
+    t1, _ = run(ps, 1)
+    tm, outs = run(ps, steps + 1)
+    step_ms = 1e3 * (tm - t1) / steps
+    sfi = [o["meta_info"].get("sfi") or {} for o in outs]
+    detail = dict(step_ms=round(step_ms, 3), tokens_per_s=round(len(ps) * 1e3 / step_ms, 1),
+                  t1_s=round(t1, 3), tm_s=round(tm, 3),
+                  slow_steps=sum(s.get("slow_steps", 0) for s in sfi),
+                  fast_steps=sum(s.get("fast_steps", 0) for s in sfi))
+    return detail, outs
+
+
 def summarize_trace(path: str, top: int = 30) -> dict:
     """Top kernels by total GPU time in a chrome trace of torch.profiler (kineto); without
     GPU kernels (a CPU run) the top CPU ops instead."""
@@ -277,32 +307,13 @@ def main(argv=None) -> int:
                 info["startup_s"] = round(time.perf_counter() - t0, 1)
                 log(name, f"{n}x{b}: engine up in {info['startup_s']:.0f} s")
 
-                def run(ps, new):
-                    sp = dict(max_new_tokens=new, temperature=0.0, ignore_eos=True)
-                    t = time.perf_counter()
-                    outs = engine.generate(input_ids=ps, sampling_params=sp)
-                    dt = time.perf_counter() - t
-                    for o in outs:
-                        assert len(o["output_ids"]) == new, (len(o["output_ids"]), new)
-                    return dt, outs
-
+                run = runner(engine)
                 warm, _ = run(prompts, 1)
                 info["prefill_s"] = round(warm, 2)
                 log(name, f"{n}x{b}: prefill {warm:.1f} s")
                 save()
                 for batch in sorted({1, b}):
-                    ps = prompts[:batch]
-                    # warm-up decode past one slow step, so that no first-call compile of a
-                    # kernel is timed (run S4-5 timed some, section 7 of bench/NOTES.md)
-                    run(ps, args.slow_every + 2)
-                    t1, _ = run(ps, 1)
-                    tm, outs = run(ps, args.steps + 1)
-                    step_ms = 1e3 * (tm - t1) / args.steps
-                    sfi = [o["meta_info"].get("sfi") or {} for o in outs]
-                    detail = dict(step_ms=round(step_ms, 3), tokens_per_s=round(batch * 1e3 / step_ms, 1),
-                                  t1_s=round(t1, 3), tm_s=round(tm, 3),
-                                  slow_steps=sum(s.get("slow_steps", 0) for s in sfi),
-                                  fast_steps=sum(s.get("fast_steps", 0) for s in sfi))
+                    detail, outs = time_decode(run, prompts[:batch], args.steps, args.slow_every)
                     row = row_of.get((n, batch))
                     if row is None:
                         row = row_of[(n, batch)] = dict(context=n, batch=batch, step_ms={}, ratio={}, detail={})

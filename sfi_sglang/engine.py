@@ -22,6 +22,17 @@ CPU_DEFAULTS: dict[str, Any] = {
 # SGLang's --max-running-requests when SFI is on and the user gives none
 SFI_MAX_RUNNING_REQUESTS = 64
 
+# SGLang's --triton-attention-num-kv-splits when SFI is on and the user gives none: the cap
+# on the KV splits of SGLang's triton decode, which runs SFI's dense layers (--sfi-dense-
+# layers) and SFI-off rows. Under the cap SGLang picks each step's split count from the
+# device's SM count, the batch and the longest context (its get_num_kv_splits), so the cap
+# binds only at small batches and long contexts, where SGLang's default of 8 leaves most of
+# the GPU idle: on the H200 at 128K, batch 1, a dense step takes 62.6 ms with 8 splits and
+# 14.4 ms with 64, and SFI's 10.7 ms becomes 8.3 (issue 27); at batch 8 and more the
+# heuristic stays below 8 splits from 32K down. bench/results/speed_h200.json has the sweep.
+# SFI's slow-step kernel picks its own split count (kernels/slow_decode.py); prefill has none.
+SFI_TRITON_KV_SPLITS = 64
+
 
 def has_gpu() -> bool:
     import torch
@@ -100,6 +111,7 @@ def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict
         # Each request slot holds SFI's sparse memory (on CUDA ~0.3 GB for Qwen3-4B at the
         # default budget, SparseMemory.slot_bytes); SGLang's default is 2048+ slots.
         out.setdefault("max_running_requests", SFI_MAX_RUNNING_REQUESTS)
+        out.setdefault("triton_attention_num_kv_splits", SFI_TRITON_KV_SPLITS)
         if not out.get("disable_radix_cache"):  # shared prefixes share SFI memories
             out.setdefault("radix_cache_backend", "sfi")
         export_config(cfg)

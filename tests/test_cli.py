@@ -82,3 +82,21 @@ def test_example_batch_offline():
                          capture_output=True, text=True, timeout=900, env=product_env())
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("Q: ") == 3 and "fast /" in out.stdout
+
+
+def test_sfi_raises_the_triton_split_cap_unless_given(monkeypatch):
+    """SFI's dense layers run SGLang's triton decode: with SFI on, its KV-split cap defaults
+    to SFI_TRITON_KV_SPLITS (the served value is checked in test_radix); a user's value wins,
+    and --disable-sfi keeps SGLang's own default."""
+    from sfi_sglang.engine import SFI_TRITON_KV_SPLITS, launch_kwargs
+    from sfi_sglang.method.config import SFIConfig
+
+    import os
+
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # launch_kwargs exports its settings
+    base = {"model_path": "m"}
+    key = "triton_attention_num_kv_splits"
+    assert SFI_TRITON_KV_SPLITS > 8
+    assert launch_kwargs(base, SFIConfig(), enabled=True)[key] == SFI_TRITON_KV_SPLITS
+    assert launch_kwargs({**base, key: 16}, SFIConfig(), enabled=True)[key] == 16
+    assert key not in launch_kwargs(base, SFIConfig(), enabled=False)

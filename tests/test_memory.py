@@ -220,6 +220,39 @@ def test_kv_budget_sets_aside_sparse_memory_and_key_norms():
         kv_budget((slots + 1) * per_slot, L, H, D, CFG, torch.bfloat16, True, slots)
 
 
+def test_score_buffers_are_made_once_and_set_aside_from_the_kv_budget(monkeypatch):
+    """The slow pass's score buffers (step.ScoreBuffers) are allocated at the backend's start,
+    one row per request slot, and SGLang's KV budget shrinks by exactly their bytes
+    (hooks._reserve_sfi_memory passes reserve_bytes to kv_budget)."""
+    from sfi_sglang.method import step
+    from sfi_sglang.method.memory import kv_budget
+    from sfi_sglang.method.step import ScoreBuffers
+
+    rows, sparse, hq, width = 5, 3, 4, 100
+    sb = ScoreBuffers("cpu", True, rows, sparse, hq, width, batched=True)
+    one, per_row = 4 * rows * hq * width, 4 * sparse * hq * width
+    assert sb.bytes() == one + rows * per_row == ScoreBuffers.reserve_bytes(rows, sparse, hq, width, True)
+    assert sb.layer(rows, None).data_ptr() == sb.layer(2, None).data_ptr()  # never replaced
+    with pytest.raises(RuntimeError, match="request slots"):
+        sb.layer(rows + 1, None)
+    assert sb.step(rows).shape == (sparse, rows, hq, width) and sb.step(rows + 1) is None
+    # the batched Selector's buffer holds as many rows as SELECT_BATCH_BYTES allows
+    monkeypatch.setattr(step, "SELECT_BATCH_BYTES", 2 * per_row)
+    assert ScoreBuffers.reserve_bytes(rows, sparse, hq, width, True) == one + 2 * per_row
+    assert ScoreBuffers.reserve_bytes(rows, sparse, hq, width, False) == one
+    assert ScoreBuffers("cpu", False, rows, sparse, hq, width, True).bytes() == 0  # the torch reference
+    monkeypatch.undo()
+    # Qwen3-4B at a 128K context, 64 slots: ~1 GiB, the batched buffer does not fit 512 MiB
+    big = ScoreBuffers.reserve_bytes(65, 34, 32, 131072 + 4, True)
+    assert big == 65 * 32 * (131072 + 4) * 4
+    L, H, D, slots = 4, 2, 16, 3
+    kv_cell, norm_cell = 2 * L * H * D * 2, L * H * 4
+    mem = (slots + 1) * SparseMemory.slot_bytes(L, H, D, CFG, torch.bfloat16, True)
+    scores = sb.bytes()
+    avail = mem + scores + 1000 * (kv_cell + norm_cell)
+    assert kv_budget(avail, L, H, D, CFG, torch.bfloat16, True, slots, scores) == 1000 * kv_cell
+    assert kv_budget(avail, L, H, D, CFG, torch.bfloat16, True, slots) == (avail - mem) * kv_cell // (kv_cell + norm_cell)
+
 # ------------------------------------------------------------------ kernel path == reference
 @kernel_test
 @pytest.mark.parametrize("G,full", [(1, True), (3, False), (4, False), (4, True)])

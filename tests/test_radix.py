@@ -67,6 +67,9 @@ def test_sfi_memory_comes_out_of_sglang_budget(server):
     request slots SGLang then makes (sfi-sglang serve's default --max-running-requests)."""
     info = requests.get(server.url + "/server_info", timeout=60).json()
     assert info["max_running_requests"] == 64
+    # SFI's dense layers run SGLang's triton decode with more KV splits than its default 8
+    # (sfi_sglang.engine.SFI_TRITON_KV_SPLITS); --triton-attention-num-kv-splits wins
+    assert info["triton_attention_num_kv_splits"] == 64
     m = info["internal_states"][0]["sfi"]["memory"]
     assert m["allocated_slots"] == m["slots"] == 65
     # the key norms follow the pool's token count (+ SGLang's padding token): 1 MiB slack

@@ -98,8 +98,8 @@ class SFIAttnBackend(AttentionBackend):
                                        k0.device, on=cfg.refresh == "adaptive")
         self.host = HostPath(self.memory, self.policy, self.step, self.selection, self.monitor)
         self.slots = Slots(cfg, self.memory, self.step, self.policy, self._kv, r2t, self.num_layers)
-        self.scores = ScoreBuffers(self.memory, len(self.sparse_ids), self.num_q_heads, r2t.shape[1],
-                                   batched=cfg.method == "sfi")
+        self.scores = ScoreBuffers(k0.device, self.memory.packed, max_slots, len(self.sparse_ids),
+                                   self.num_q_heads, r2t.shape[1], batched=cfg.method == "sfi")
         self.meta = StepMetadata()
         self._sync_guard = os.environ.get(graph_if.SYNC_GUARD_ENV) == "1"
         self.boundaries = self.policy.table_summary(cfg.boundaries, 0)  # see install_boundaries
@@ -137,7 +137,6 @@ class SFIAttnBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
-        self.scores.for_graphs(max_bs)
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
         self.dense.init_forward_metadata_out_graph(forward_batch, in_capture)

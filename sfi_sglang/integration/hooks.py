@@ -110,17 +110,27 @@ def _reserve_sfi_memory(original, self, *args, **kwargs):
         return available
     from sfi_sglang.method.config import server_config
     from sfi_sglang.method.memory import kv_budget
+    from sfi_sglang.method.step import ScoreBuffers
 
     cfg = server_config()
     mc = self.model_config
     # without --max-running-requests SGLang makes 2048-4096 request slots
     # (KVCacheConfigurator.resolve_max_num_reqs); sfi_sglang's launchers always set it
     slots = sa.max_running_requests or 4096
-    budget = kv_budget(available, mc.num_hidden_layers, mc.get_num_kv_heads(sa.tp_size),
-                                      mc.head_dim, cfg, self.kv_cache_dtype,
-                                      str(self.device).startswith("cuda"), slots)
+    packed = str(self.device).startswith("cuda")
+    num_layers = mc.num_hidden_layers
+    scores = 0
+    if packed:  # the backend's ScoreBuffers: one row per request slot, req_to_token's width
+        from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
+
+        width = mc.context_len + get_req_to_token_extra_context_len()
+        sparse = sum(1 for lid in range(num_layers) if lid not in cfg.dense_layers)
+        scores = ScoreBuffers.reserve_bytes(slots + 1, sparse, max(1, mc.num_attention_heads // sa.tp_size),
+                                            width, batched=cfg.method == "sfi")
+    budget = kv_budget(available, num_layers, mc.get_num_kv_heads(sa.tp_size), mc.head_dim, cfg,
+                       self.kv_cache_dtype, packed, slots, scores)
     MEMORY.update(available=int(available), kv_budget=budget, reserved=int(available) - budget,
-                  slots=slots + 1)
+                  scores=scores, slots=slots + 1)
     return budget
 
 
@@ -316,8 +326,8 @@ def _add_sfi_state(result, self, *args, **kwargs):
     memory = dict(MEMORY)
     be = state.active()
     if be is not None:  # what the backend allocated against what was reserved for it
-        memory.update(allocated=be.memory.bytes() + be.norms.bytes(),
-                      allocated_slots=be.memory.max_slots)
+        memory.update(allocated=be.memory.bytes() + be.norms.bytes() + be.scores.bytes(),
+                      allocated_scores=be.scores.bytes(), allocated_slots=be.memory.max_slots)
     result.internal_state[META_KEY] = {**radix.stats(), "memory": memory,
                                        "requests": _request_maps(),
                                        # every TP rank's summary (a collective over the TP group:

@@ -384,21 +384,23 @@ class SparseMemory:
 
 
 def kv_budget(available: int, num_layers: int, num_kv_heads: int, head_dim: int, cfg, dtype,
-              packed: bool, slots: int) -> int:
+              packed: bool, slots: int, scores: int = 0) -> int:
     """SGLang's KV-pool byte budget once the `sfi` backend's own tensors are set aside: the
-    sparse memory (per request slot, `slots` + 1 rows like SGLang's req_to_token) and the
-    key norms (per KV-pool token, next to the pool's K and V). Raises SFIConfigError when
-    nothing would be left. Called where SGLang sizes its pools (hooks._reserve_sfi_memory)."""
+    sparse memory (per request slot, `slots` + 1 rows like SGLang's req_to_token), the slow
+    pass's score buffers (`scores` bytes: step.ScoreBuffers.reserve_bytes) and the key norms
+    (per KV-pool token, next to the pool's K and V). Raises SFIConfigError when nothing would
+    be left. Called where SGLang sizes its pools (hooks._reserve_sfi_memory)."""
     mem = (slots + 1) * SparseMemory.slot_bytes(num_layers, num_kv_heads, head_dim, cfg, dtype, packed)
     kv_cell = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
     norm_cell = num_layers * num_kv_heads * 4  # the key norms: L x float32 [tokens, H_kv]
-    left = (available - mem) * kv_cell // (kv_cell + norm_cell)
+    left = (available - mem - scores) * kv_cell // (kv_cell + norm_cell)
     if left <= 0:
         raise SFIConfigError(
             f"SFI's sparse memory for {slots} request slots needs {mem / 2**30:.2f} GiB "
             f"({mem / (slots + 1) / 2**20:.1f} MiB per slot with --sfi-budget {cfg.budget}) "
-            f"but the KV budget is {available / 2**30:.2f} GiB: lower --max-running-requests "
-            "or --sfi-budget, or raise --mem-fraction-static")
+            f"and its slow-step score buffers {scores / 2**30:.2f} GiB "
+            f"but the KV budget is {available / 2**30:.2f} GiB: lower --max-running-requests, "
+            "--sfi-budget or --context-length, or raise --mem-fraction-static")
     return int(left)
 
 

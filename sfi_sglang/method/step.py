@@ -153,58 +153,51 @@ SELECT_BATCH_BYTES = 512 << 20
 
 class ScoreBuffers:
     """The slow pass's logits, float32 [rows, H_q, N], N = req_to_token's width (the torch
-    reference: the step's longest context). Graphs write into buffers made once and never
-    replaced (a graph holds no reference to the tensors it writes): one for the captured
-    batch sizes (`for_graphs`, from init_cuda_graph_state) and one for the batched Selector
-    of a step's every sparse layer; eager steps of larger batches get their own."""
+    reference: the step's longest context). On the kernel path (`packed`) both buffers are
+    made once, at the backend's start, and never replaced (a CUDA graph holds no reference
+    to the tensors it writes): `rows` of them for one layer at a time (every decode batch,
+    captured or eager, has at most as many rows as request slots), and, for the batched
+    Selector of a step's every sparse layer, as many rows as fit SELECT_BATCH_BYTES. SGLang's
+    KV budget sets their bytes aside (`reserve_bytes`, hooks._reserve_sfi_memory), so a full
+    pool under load cannot run the device out of memory at a slow step."""
 
-    def __init__(self, memory, num_sparse: int, num_q_heads: int, width: int, batched: bool):
-        self.memory = memory  # its device, and whether it runs the kernel path (packed)
+    def __init__(self, device, packed: bool, rows: int, num_sparse: int, num_q_heads: int,
+                 width: int, batched: bool):
+        self.device, self.packed = torch.device(device), packed
         self.num_sparse, self.num_q_heads, self.width = num_sparse, num_q_heads, width
-        self.batched = batched and num_sparse > 0  # the batched Selector may run (kernel path)
-        self.eager: Optional[torch.Tensor] = None
-        self.graph: Optional[torch.Tensor] = None
+        self.one: Optional[torch.Tensor] = None
         self.layers: Optional[torch.Tensor] = None
+        if not packed:
+            return
+        self.one = torch.empty((rows, num_q_heads, width), dtype=torch.float32, device=self.device)
+        per_row = num_sparse * num_q_heads * width
+        cap = min(SELECT_BATCH_BYTES // (4 * per_row), rows) if batched and num_sparse > 0 else 0
+        if cap >= 1:
+            self.layers = torch.empty(cap * per_row, dtype=torch.float32, device=self.device)
 
-    def _capturing(self) -> bool:
-        return self.memory.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    @staticmethod
+    def reserve_bytes(rows: int, num_sparse: int, num_q_heads: int, width: int, batched: bool) -> int:
+        """Bytes the kernel path's buffers take (measured on the meta device, so it cannot
+        drift from the allocation)."""
+        return ScoreBuffers("meta", True, rows, num_sparse, num_q_heads, width, batched).bytes()
 
-    def for_graphs(self, max_bs: int) -> None:
-        if self.memory.packed and (self.graph is None or self.graph.shape[0] < max_bs):
-            self.graph = torch.empty((max_bs, self.num_q_heads, self.width), dtype=torch.float32,
-                                     device=self.memory.device)
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.one, self.layers) if t is not None)
 
     def layer(self, rows: int, ref_len: Optional[int]) -> torch.Tensor:
         """One layer's logits [rows, H_q, N]."""
-        dev = self.memory.device
-        if not self.memory.packed:
-            return torch.empty((rows, self.num_q_heads, ref_len), dtype=torch.float32, device=dev)
-        graph = self._capturing() or (self.graph is not None and self.graph.shape[0] >= rows)
-        buf = self.graph if graph else self.eager
-        if buf is None or buf.shape[0] < rows:
-            if graph and buf is not None:
-                raise RuntimeError(f"SFI: a CUDA graph of {rows} rows was captured beyond the "
-                                   f"{buf.shape[0]} rows of init_cuda_graph_state")
-            buf = torch.empty((rows, self.num_q_heads, self.width), dtype=torch.float32, device=dev)
-            if graph:
-                self.graph = buf
-            else:
-                self.eager = buf
-        return buf[:rows]
+        if not self.packed:
+            return torch.empty((rows, self.num_q_heads, ref_len), dtype=torch.float32, device=self.device)
+        if rows > self.one.shape[0]:
+            raise RuntimeError(f"SFI: a decode step of {rows} rows, beyond the "
+                               f"{self.one.shape[0]} request slots its score buffer was made for")
+        return self.one[:rows]
 
     def step(self, rows: int) -> Optional[torch.Tensor]:
         """[L_sparse, rows, H_q, N] for a step whose Selectors run batched at its end, or
         None: layer by layer (more than SELECT_BATCH_BYTES of scores, or the batched Selector
-        off). Made at the first use outside a capture for as many rows as fit (at most the
-        request slots), never replaced."""
-        if not (self.batched and self.memory.packed):
-            return None
+        off)."""
         per_row = self.num_sparse * self.num_q_heads * self.width
-        if self.layers is None:
-            cap = min(SELECT_BATCH_BYTES // (4 * per_row), self.memory.max_slots)
-            if cap < 1 or self._capturing():
-                return None
-            self.layers = torch.empty(cap * per_row, dtype=torch.float32, device=self.memory.device)
-        if rows * per_row > self.layers.numel():
+        if self.layers is None or rows * per_row > self.layers.numel():
             return None
         return self.layers[:rows * per_row].view(self.num_sparse, rows, self.num_q_heads, self.width)
