@@ -67,7 +67,13 @@ def sweep(shape: str, contexts, batches, splits, reps: int) -> list[dict]:
         for b in batches:
             tokens = n * b
             kv_bytes = 2 * tokens * hkv * d * 2
-            copies = max(2, math.ceil(4 * L2_BYTES / kv_bytes))
+            # SGLang's kernel addresses the pool with int32 element offsets: no pool it serves
+            # holds 2**31 elements per layer (the H200's ~100 GB KV pool: ~650K Qwen3-4B tokens)
+            fit = (2**31 - 1) // (tokens * hkv * d)
+            if fit < 1:
+                print(f"SWEEP skip {n}x{b}: beyond int32 pool offsets", flush=True)
+                continue
+            copies = min(fit, max(2, math.ceil(4 * L2_BYTES / kv_bytes)))
             k = torch.randn(copies * tokens, hkv, d, device=dev, dtype=torch.bfloat16)
             v = torch.randn_like(k)
             q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
