@@ -49,11 +49,16 @@ def serve(argv: list[str]) -> int:
     given = {}
     for name in ("model_path", "attention_backend"):
         flag = _flag(name)
-        for i, a in enumerate(rest):
-            if a == flag and i + 1 < len(rest):
-                given[name] = rest[i + 1]
+        keep = []
+        it = iter(rest)
+        for a in it:
+            if a == flag:
+                given[name] = next(it, "")
             elif a.startswith(flag + "="):
                 given[name] = a.split("=", 1)[1]
+            else:
+                keep.append(a)
+        rest = keep  # launch_kwargs gives them back (the model path resolved: a named model's folder)
     try:
         kwargs = launch_kwargs(given, cfg, enabled=not args.disable_sfi)
     except (ValueError, RuntimeError) as err:
@@ -95,7 +100,9 @@ def generate(argv: list[str]) -> int:
     parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--model-path", default=None,
+                        help="a model folder, or a named model: smollm2-135m (the default), "
+                             "qwen2.5-coder-0.5b (sfi_sglang.model)")
     args = parser.parse_args(argv)
     cfg = _sfi_config(parser, args)
     if args.max_new_tokens < 1:

@@ -84,10 +84,9 @@ def cpu_parallel_args(ranks: int) -> dict[str, Any]:
 def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict[str, Any]:
     """SGLang server arguments with our defaults filled in where the user gave none."""
     out = dict(kwargs)
-    if not out.get("model_path"):
-        from sfi_sglang.model import default_model_path
+    from sfi_sglang.model import resolve_model_path
 
-        out["model_path"] = default_model_path()
+    out["model_path"] = resolve_model_path(out.get("model_path"))  # a named model, or the default
     if not has_gpu():
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
         for key, value in CPU_DEFAULTS.items():

@@ -482,7 +482,8 @@ def add_cli(sub) -> None:
     p.add_argument("--no-greedy", dest="greedy", action="store_false",
                    help="skip (c), the greedy match length (run at the first context only)")
     p.add_argument("--mem-fraction-static", type=float, default=0.15)
-    p.add_argument("--model-path", default=None, help="a Hugging Face model folder (default: the embedded SmolLM2)")
+    p.add_argument("--model-path", default=None, help="a Hugging Face model folder or a named model "
+                   "(sfi_sglang.model: smollm2-135m, the default, or qwen2.5-coder-0.5b)")
     p.add_argument("--out", default="bench/results/quality")
 
 
@@ -499,12 +500,12 @@ def main(argv) -> int:
         parser.error("--texts, --steps (>= 2) and --passkey-keys must be positive, --first-text >= 0")
     from transformers import AutoTokenizer
 
-    from sfi_sglang.model import default_model_path
+    from sfi_sglang.model import resolve_model_path
 
     contexts = [int(c) for c in args.contexts.split(",")]
     builtin = [b for b in args.builtin_texts.split(",") if b]
     try:  # before the engine starts: bad texts are a usage error, not a traceback
-        args.model_path = args.model_path or default_model_path()
+        args.model_path = resolve_model_path(args.model_path)
         plan, skipped = texts(AutoTokenizer.from_pretrained(args.model_path), contexts,
                               args.steps, args.first_text + args.texts, args.text_file, builtin)
     except TextError as e:
