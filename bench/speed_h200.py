@@ -14,7 +14,8 @@ Two parts, one process:
      dense          SGLang's defaults (triton attention, 8 KV splits)
      dense-sN       the same with --triton-attention-num-kv-splits N
      dense-best     dense-sN at the sweep's best N for the context at batch 1
-     dense-flashinfer  SGLang's flashinfer attention backend
+     dense-flashinfer  SGLang's flashinfer attention backend (needs FlashInfer importable on
+                    the device: bench/flashinfer_h200.sh's copy; not run yet)
      sfi            the `sfi` backend as shipped (its own split cap: sfi_sglang.engine)
      sfi-sN         the same with an explicit --triton-attention-num-kv-splits N
 
