@@ -142,7 +142,6 @@ def free_engine(engine) -> None:
                 time.sleep(1)
 
 
-
 def runner(engine):
     """run(prompts, new) -> (seconds, outputs): one greedy generate of `new` tokens each."""
     def run(ps, new):

@@ -253,6 +253,7 @@ def test_score_buffers_are_made_once_and_set_aside_from_the_kv_budget(monkeypatc
     assert kv_budget(avail, L, H, D, CFG, torch.bfloat16, True, slots, scores) == 1000 * kv_cell
     assert kv_budget(avail, L, H, D, CFG, torch.bfloat16, True, slots) == (avail - mem) * kv_cell // (kv_cell + norm_cell)
 
+
 # ------------------------------------------------------------------ kernel path == reference
 @kernel_test
 @pytest.mark.parametrize("G,full", [(1, True), (3, False), (4, False), (4, True)])

@@ -91,7 +91,7 @@ class SFIAttnBackend(AttentionBackend):
         self.norms = KeyNorms(self.num_layers, k0.shape[0], k0.shape[1], k0.device)
         self.policy = _trigger_policy(model_runner, cfg, max_slots, self.device)
         self.step = StepPlan(self.policy, max_slots, self.num_layers, self.device)
-        self.sparse_ids = [lid for lid in range(self.num_layers) if lid not in cfg.dense_layers]
+        self.sparse_ids = cfg.sparse_layers(self.num_layers)
         self._sparse_index = {lid: i for i, lid in enumerate(self.sparse_ids)}
         self.selection = Selection(cfg, self.memory, self.norms, self._kv, r2t, self.sparse_ids)
         self.monitor = AdaptiveMonitor(self.policy, self.sparse_ids, max_slots, self.num_q_heads,

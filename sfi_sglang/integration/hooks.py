@@ -124,8 +124,8 @@ def _reserve_sfi_memory(original, self, *args, **kwargs):
         from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
 
         width = mc.context_len + get_req_to_token_extra_context_len()
-        sparse = sum(1 for lid in range(num_layers) if lid not in cfg.dense_layers)
-        scores = ScoreBuffers.reserve_bytes(slots + 1, sparse, max(1, mc.num_attention_heads // sa.tp_size),
+        scores = ScoreBuffers.reserve_bytes(slots + 1, len(cfg.sparse_layers(num_layers)),
+                                            max(1, mc.num_attention_heads // sa.tp_size),
                                             width, batched=cfg.method == "sfi")
     budget = kv_budget(available, num_layers, mc.get_num_kv_heads(sa.tp_size), mc.head_dim, cfg,
                        self.kv_cache_dtype, packed, slots, scores)

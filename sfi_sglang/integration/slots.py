@@ -210,7 +210,7 @@ class Slots:
         """Start the slot's request from a shared prefix's selection (radix)."""
         req = self.requests[slot]
         self.memory.import_(slot, positions, count, hi, self.kv, self.req_to_token,
-                            [l for l in range(self.num_layers) if l not in req.cfg.dense_layers])
+                            req.cfg.sparse_layers(self.num_layers))
         req.bootstrap = req.imported = True
         self.step.has_sel[slot] = True
         req.bootstrap_reused += 1

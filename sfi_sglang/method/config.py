@@ -117,6 +117,10 @@ class SFIConfig:
                 object.__setattr__(self, f.name, float(v))
         self.validate()
 
+    def sparse_layers(self, num_layers: int) -> list[int]:
+        """The layers of a num_layers-layer model that run SFI (all but dense_layers)."""
+        return [lid for lid in range(num_layers) if lid not in self.dense_layers]
+
     # ---------------------------------------------------------------- validation
     def validate(self) -> None:
         def bad(name, what):
