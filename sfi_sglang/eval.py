@@ -106,6 +106,7 @@ METHODS = {
     # slow steps at least every 8 tokens (boundaries still trigger, 4 apart at the least)
     "sfi-refresh-8": Method("sfi-refresh-8", {"min_gap": 4, "max_interval": 8}),
     "sfi-no-dense-layers": Method("sfi-no-dense-layers", {"dense_layers": []}),
+    "sfi-dense-layer-0": Method("sfi-dense-layer-0", {"dense_layers": [0]}),
     # boundaries, plus a slow step when the memory's log-sum-exp falls this far (nats)
     "sfi-adaptive": Method("sfi-adaptive", {"refresh": "adaptive", "adaptive_threshold": 0.5}),
     "sfi-adaptive-0.25": Method("sfi-adaptive-0.25", {"refresh": "adaptive", "adaptive_threshold": 0.25}),

@@ -282,3 +282,33 @@ def test_skipped_and_always_run_slow_pass_decode_the_same(monkeypatch):
     assert slow0 >= 2 and torch.equal(ids0, ids1) and slow0 == slow1
     assert torch.equal(sel0, sel1) and torch.equal(counts0, counts1)
     assert counts0[slots[0], 0] > 0  # fast steps happened, where the pass was skipped
+
+
+def test_speed_merge_copies_each_row_whole_from_one_run(tmp_path):
+    """bench/plot_speed_h200.py --merge: a later call wins the rows it shares, every row names
+    its call, and a row without both SFI and a dense engine (a call cut by its deadline) is
+    left out, so no ratio mixes two runs."""
+    import plot_speed_h200
+
+    def call(name, rows):
+        p = tmp_path / name
+        p.write_text(json.dumps(dict(argv=[name], shape="qwen3-4b", slow_every=24, steps=48, rows=rows,
+                                     sweep=[dict(context=8192, batch=1, cap=64, splits=64, us=90.0)])))
+        return str(p)
+
+    old = call("old.json", [dict(context=32768, batch=1, step_ms={"sfi": 7.3, "dense-best": 8.7}, speedup=1.19),
+                            dict(context=131072, batch=1, step_ms={"sfi": 8.1, "dense": 61.2}, speedup=7.5)])
+    new = call("new.json", [dict(context=32768, batch=1, step_ms={"sfi": 7.4, "dense-best": 8.7}, speedup=1.18),
+                            dict(context=8192, batch=1, step_ms={"sfi": 7.1}),
+                            dict(context=32768, batch="max", step_ms={"sfi": 13.3, "dense": 42.8},
+                                 detail={"sfi": dict(batch=20, tokens_per_s=1500.0),
+                                         "dense": dict(batch=22, tokens_per_s=513.0)},
+                                 tokens_per_s={"sfi": 1500.0, "dense": 513.0}, batch_of={"sfi": 20, "dense": 22},
+                                 throughput_ratio=2.92)])
+    out = tmp_path / "merged.json"
+    assert plot_speed_h200.merge(str(out), [old, new]).endswith("merged.png")
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["context"], r["batch"], r["source"]) for r in rows] == [
+        (32768, 1, "new.json"), (32768, "max", "new.json"), (131072, 1, "old.json")]
+    assert rows[0]["step_ms"]["sfi"] == 7.4 and rows[2]["speedup"] == 7.5
+    assert (tmp_path / "merged.png").stat().st_size > 0
