@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 18, item 1 on the H200, through the `device` tool from the repo root:
+# The adaptive trigger's signal cost on the H200, through the `device` tool from the repo root:
 #   bash bench/adaptive_h200.sh
 # (1) the fast kernel's log-sum-exp output against the float64 reference (real Triton);
 # (2) the graphed harness (bench/harness.py, Qwen3-4B shape) with --sfi-refresh interval

@@ -1,4 +1,4 @@
-"""Batching never changes what a request gets (issue 16, item 1), probed on the CPU engine
+"""Batching never changes what a request gets , probed on the CPU engine
 (or a GPU: bench/garbage_h200.sh):
 greedy tokens and slow_at of N long prompts, alone vs all in one batch, and a scan of every
 output for garbage (private-use or replacement characters).
@@ -22,7 +22,7 @@ LICENCES = Path("/usr/share/common-licenses")
 
 def garbage(text: str) -> int:
     """Private-use (U+E000..U+F8FF) and replacement characters: what the garbage stream of
-    issue 16 printed ("\\uf0f8 \\uf0f8 ...")."""
+    once reported ("\\uf0f8 \\uf0f8 ...")."""
     return sum(1 for c in text if 0xE000 <= ord(c) <= 0xF8FF or c == "\ufffd")
 
 

@@ -1,5 +1,5 @@
 """Compile, for a GPU this machine need not have, every kernel variant one SFI decode step
-launches, and time each compile (bench/NOTES.md, section 7).
+launches, and time each compile (bench/NOTES.md, section 6).
 
 The variants are those of tests/test_kernels.py's launch_decode_step_kernels (every kernel
 of a fast and a slow step, driven as the backend drives them over batches 1-8 and contexts

@@ -1,6 +1,6 @@
 """FlashInfer fast path (kernels/flashinfer_fast.py) vs the Triton fast kernel, one H200.
 
-Issue 4 item 5; predictions and outcomes in bench/NOTES.md section 8. Needs FlashInfer
+Predictions and outcomes in bench/NOTES.md section 7. Needs FlashInfer
 importable (bench/flashinfer_h200.sh unpacks a trimmed copy and runs this):
     python3 bench/flashinfer_h200.py --out $OUT
 

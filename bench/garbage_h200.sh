@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16 item 1 on the H200: does the garbage stream (private-use characters from one of 32
+# On the H200: does the garbage stream (private-use characters from one of 32
 # concurrent 1,260-token streams, seen once on the CPU engine) come back at 32 concurrent
 # 1,000-token outputs, with the REAL SmolLM2 weights and SGLang's default GPU path (decode CUDA
 # graphs, overlap scheduler, radix cache)? bench/batch_invariance.py: 32 greedy requests (260
@@ -13,7 +13,7 @@
 #           .wN, back to back, each copying it to /root/sfiw), then
 #           run(command='for p in sfi_default dense sfi_128; do PROBES=$p PROBE_S=180 setsid bash
 #               bench/garbage_h200.sh > /tmp/g_$p.out 2>&1; done; cp /tmp/g_*.out $OUT/', carry=[".sgl", ".w0"])
-#           (one probe per invocation: in session 11 a script given several stopped after the first,
+#           (one probe per invocation: a script given several stopped after the first,
 #           cause not found; the committed log came from calls like this one)
 # $OUT: garbage_h200_<run>.log, garbage_h200.log (the summary lines).
 set -uo pipefail

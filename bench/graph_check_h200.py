@@ -1,4 +1,4 @@
-"""Issue #14 item 4 on the GPU: the `sfi` backend's decode step under CUDA graphs (the GPU
+"""On the GPU: the `sfi` backend's decode step under CUDA graphs (the GPU
 harness of bench/harness.py: the product's backend over SGLang-layout pools).
 
 Checks, each printed as one JSON line and collected in OUT/graph_check_h200.json:

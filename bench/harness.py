@@ -3,7 +3,7 @@ Qwen3-4B-shaped model with dummy (random) weights, at long contexts. Not part of
 
 Real SGLang cannot run on the GPU machine we measure on (bench/NOTES.md, "End to end":
 its import pulls ~150 packages and its CUDA layers need sgl_kernel's CUDA ops), so this is
-the harness issue #5 allows: SGLang's memory layout (a req_to_token table and per-layer
+the harness this project allows: SGLang's memory layout (a req_to_token table and per-layer
 token-slot K/V buffers [slots, H_kv, D]), SGLang's method names (init_forward_metadata,
 forward_decode(q, k, v, layer, forward_batch)), and the product's own `sfi` backend
 (sfi_sglang.integration.backend.SFIAttnBackend: plan, SparseMemory, kernels, Selector) driven by a

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16 item 6 on the H200: bench/load.py against `sfi-sglang serve` with SFI, then against
+# On the H200: bench/load.py against `sfi-sglang serve` with SFI, then against
 # the same server with --disable-sfi (SGLang's default dense server: CUDA graphs, overlap
 # scheduler, radix cache), in one device call. Model: SmolLM2-135M's config and tokenizer with
 # SGLang's dummy (random) weights (--load-format dummy: the real weights do not fit one call's

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Issue 18 items 2-3 on the H200 (prepared in session 11, NOT RUN YET): `sfi-sglang eval quality`
-# with the real SmolLM2 weights, the run the 2-core CPU cannot finish in a session: 8 texts per
+# The quality eval on the H200: `sfi-sglang eval quality`
+# with the real SmolLM2 weights, the run the 2-core CPU cannot finish in hours: 8 texts per
 # context from the three built-in sources (the essays travel in .sgl/nh, pydoc topics and
 # /usr/share/common-licenses are on the machine) at 2K, 4K and 8K (8000: SmolLM2's context is
 # 8192), 64 teacher-forced steps each, 15% retention; SFI, the adaptive trigger at 0.5 and 0.25
 # nat, a refresh every 8 tokens and the three baselines; passkey with 10 keys per depth at 8K.
 # The eval's engine is eager (every method is a per-request config), so this scores quality,
-# not speed (the speed price of each row comes from bench/NOTES.md sections 9 and 12).
+# not speed (the speed price of each row comes from bench/NOTES.md sections 8 and 13).
 #   here:   PYTHON=.venv/bin/python bash bench/sglang_h200.sh pack; python bench/smollm2_h200.py prepare
 #   device: the weight chunks first (bench/smollm2_h200.py's docstring), then
 #           run(command="setsid bash bench/quality_h200.sh", carry=[".sgl", ".w0"])

@@ -1,4 +1,4 @@
-"""Issue #5 item 1: real SGLang 0.5.23, dense vs SFI, decode step time at long context.
+"""Real SGLang 0.5.23, dense vs SFI, decode step time at long context.
 
 Engines (`--engines`, comma-separated, run one after the other for each configuration in
 one Python process), all through `sfi_sglang.Engine` (the product's entry point):
@@ -31,7 +31,7 @@ engine through SGLang's own profiler (Engine.start_profile / stop_profile), writ
 OUT/profile/*.trace.json.gz, and OUT/profile_ENGINE_CONTEXTxBATCH.json: the top kernels by
 total GPU time (kernels replayed inside a CUDA graph appear only if CUPTI reports them).
 A failing engine launch, measurement or profile is logged and recorded, and the run goes on.
-bench/plot_sglang_h200.py draws the JSON.
+bench/speed_h200.py builds its engine rows on this driver.
 
 On the H200 (bench/sglang_h200.sh unpacks SGLang and its Python dependencies, lays out
 sfi_sglang and the sgl_kernel stand-in, and runs this once with every engine; $OUT gets the
@@ -158,7 +158,7 @@ def runner(engine):
 def time_decode(run, ps, steps: int, slow_every: int):
     """ms per decode step of the batch `ps` (prefilled before: its prefixes are cached):
     a warm-up decode past one slow step, so that no first-call compile of a kernel is timed
-    (run S4-5 timed some, section 7 of bench/NOTES.md), then (t(steps + 1) - t(1)) / steps."""
+    (run S4-5 timed some, section 6 of bench/NOTES.md), then (t(steps + 1) - t(1)) / steps."""
     run(ps, slow_every + 2)
     t1, _ = run(ps, 1)
     tm, outs = run(ps, steps + 1)

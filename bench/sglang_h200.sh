@@ -180,7 +180,7 @@ setup_sfi() {
   # the radix tree's Rust core (sglang/srt/mem_cache/rust_tree_core) is built against
   # torch 2.14's libtorch and segfaults on the device's 2.11 (run 3): SGLang's Python core
   export SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python
-  # log every Triton compile after the engine is up, with its time (bench/NOTES.md section 7)
+  # log every Triton compile after the engine is up, with its time (bench/NOTES.md section 6)
   export SGLANG_TRITON_SLOW_COMPILE_THRESHOLD_SECS=0
 }
 

@@ -1,4 +1,4 @@
-"""Issue #5 items 2 and 3 with REAL weights: SmolLM2-135M-Instruct (Llama) in the harness of
+"""With REAL weights: SmolLM2-135M-Instruct (Llama) in the harness of
 bench/harness.py (SGLang-layout pools, DenseBackend, and the product's
 sfi backend, Runner/Setup), with a real prefill (DummyModel.prefill: causal attention in
 torch, K/V and key norms written into the pools) and the real boundary table of the

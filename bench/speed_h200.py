@@ -1,4 +1,4 @@
-"""Issue 27: SFI against the strongest dense server the device can run, in one run.
+"""SFI against the strongest dense server the device can run, in one run.
 
 Two parts, one process:
 1. The split sweep: SGLang's own triton decode kernel (decode_attention_fwd) with SGLang's own

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 27 on the H200, one device call: the graph check of this tree (tokens equal with
+# Speed on the H200, one device call: the graph check of this tree (tokens equal with
 # graphs on and off, no sync in replays), then bench/speed_h200.py (the split sweep and the
 # real-SGLang engines; options after the script name go to it).
 #   run(command="bash bench/speed_h200.sh --configs 131072x1,32768x8 --engines sfi,dense-best,dense",

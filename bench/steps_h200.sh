@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 15 on the H200, through the `device` tool from the repo root:
+# Slow and fast steps on the H200, through the `device` tool from the repo root:
 #   bash bench/steps_h200.sh layers   what bounds the fast kernel at batch 1
 #                                     ($OUT/kernels_h200_floor.json) and one layer's whole
 #                                     fast and slow pass, as the backend runs them in CUDA

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The bench harness (bench/harness.py: the product's backend, which imports SGLang, over
-# SGLang-layout pools) on the H200: the graph check of issue 14 (bench/graph_check_h200.py),
+# SGLang-layout pools) on the H200: the graph check (bench/graph_check_h200.py),
 # then `python bench/harness.py "$@"`. Run through the `device` tool from the repo root with
 # carry [".sgl"] (bench/sglang_h200.sh pack: SGLang's closure and the tokenizer the
 # backend's boundary table reads); writes $OUT/graph_check_h200.json and

@@ -129,7 +129,7 @@ def _splitk_reduce_kernel(Mid_o, Mid_lse, Out, stride_ob, stride_oh, num_splits,
 # last dimension (tl.num_programs in the kernel), the partials are contiguous with
 # offsets computed in the kernel, and the reduce's BLOCK_S is fixed per call site. A new
 # batch size or context length then launches an already compiled kernel; as constexprs,
-# each new split count built a new variant at its first step (bench/NOTES.md, section 7).
+# each new split count built a new variant at its first step (bench/NOTES.md, section 6).
 def split_partials(B: int, Hq: int, D: int, num_splits: int, device):
     """Flash-decoding partials: mid_o [B, H_q, S, D], mid_lse [B, H_q, S], float32."""
     return (torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=device),

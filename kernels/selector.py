@@ -1,4 +1,4 @@
-"""Fused SFI Selector scores (steps 1-6 of ../shared/SFI_SPEC.md) in five Triton launches, no host
+"""Fused SFI Selector scores (steps of docs/method.md) in five Triton launches, no host
 sync (CUDA-graph capturable). Same math as sfi_sglang/method/selector.py `select_scores`, in
 float32, with the per-(b, h) reductions over N done as split partials:
 

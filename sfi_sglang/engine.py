@@ -28,7 +28,7 @@ SFI_MAX_RUNNING_REQUESTS = 64
 # device's SM count, the batch and the longest context (its get_num_kv_splits), so the cap
 # binds only at small batches and long contexts, where SGLang's default of 8 leaves most of
 # the GPU idle: on the H200 at 128K, batch 1, a dense step took 61.2 ms with 8 splits and
-# 14.3 ms with 64, and SFI 8.1 ms with 64 (10.7 ms with 8 in issue 27's own run); at batch 8
+# 14.3 ms with 64, and SFI 8.1 ms with 64 (10.7 ms with 8, uncommitted); at batch 8
 # the heuristic uses 15-23 splits from 8K to 128K under any cap from 32 up, and 64 was the
 # best cap at batch 1 from 32K to 128K (bench/results/speed_h200.json: the run and its sweep).
 # SFI's slow-step kernel picks its own split count (kernels/slow_decode.py); prefill has none.

@@ -1,4 +1,4 @@
-"""Batching never changes what a request gets (issue 16, item 1), on a real `sfi-sglang
+"""Batching never changes what a request gets , on a real `sfi-sglang
 serve` (CPU engine, SmolLM2) under SGLang's --enable-deterministic-inference.
 
 Why the mode: SFI's slow steps pick positions by a top-k, a discrete choice, so the float
@@ -49,7 +49,7 @@ def test_gemm_rows_do_not_depend_on_the_batch_in_the_mode():
 
 
 def _garbage(text: str) -> int:
-    """Private-use and replacement characters: the garbage stream of issue 16 ("\\uf0f8 ...")."""
+    """Private-use and replacement characters: the garbage stream once reported ("\\uf0f8 ...")."""
     return sum(1 for c in text if 0xE000 <= ord(c) <= 0xF8FF or c == "\ufffd")
 
 

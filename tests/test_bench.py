@@ -1,6 +1,6 @@
 """The bench harness (bench/harness.py) on the CPU at a tiny shape, and the `sfi` backend's
 kernel path (packed SparseMemory + Triton kernels, interpreted on CPU tensors) against its
-CPU reference path on the same decode steps (issue #4 item 8)."""
+CPU reference path on the same decode steps."""
 
 import json
 import os
@@ -162,7 +162,7 @@ def test_real_smollm2_fits_budget_sfi_equals_dense(model_path, tokenizer):
 
 def test_real_sglang_throughput_driver(tmp_path):
     """bench/sglang_h200.py (the driver of the real-SGLang H200 runs, bench/NOTES.md
-    section 7) on SGLang's CPU engine: a dummy-weight Qwen3 config, token-id prompts, the
+    section 6) on SGLang's CPU engine: a dummy-weight Qwen3 config, token-id prompts, the
     `sfi` backend with a forced slow step every 4 tokens, counted in meta_info."""
     steps, every = 8, 4
     r = subprocess.run([sys.executable, "bench/sglang_h200.py", "--engines", "sfi", "--shape", "tiny",
@@ -312,3 +312,19 @@ def test_speed_merge_copies_each_row_whole_from_one_run(tmp_path):
         (32768, 1, "new.json"), (32768, "max", "new.json"), (131072, 1, "old.json")]
     assert rows[0]["step_ms"]["sfi"] == 7.4 and rows[2]["speedup"] == 7.5
     assert (tmp_path / "merged.png").stat().st_size > 0
+
+
+def test_request_plot_marks_the_slow_steps(tmp_path):
+    """bench/plot_request.py (README's picture) redrawn from its committed run: the run's
+    slow steps are the ones the request reported, each a step whose input token follows a
+    sentence end (a boundary), and the picture is written."""
+    import plot_request
+
+    res = json.loads((_REPO / "bench/results/request_steps.json").read_text())
+    assert res["slow_steps"] == len(res["slow_at"]) >= 1 and res["fast_steps"] > 3 * res["slow_steps"]
+    for s in res["slow_at"]:  # decode step s reads output token s - 1; a sentence ended before it
+        assert "".join(res["tokens"][:s - 1]).rstrip().endswith((".", "!", "?")), s
+    out = tmp_path / "steps"
+    assert plot_request.main(["--from-json", str(_REPO / "bench/results/request_steps.json"),
+                              "--out", str(out)]) == 0
+    assert (tmp_path / "steps.png").stat().st_size > 10_000

@@ -17,7 +17,7 @@ def test_defaults_match_spec():
     assert (c.lambda_max_single, c.lambda_max_multi) == (0.35, 0.25)
     assert (c.nms_radius, c.nms_strength) == (16, 1.0)
     assert (c.excl_temperature, c.excl_strength) == (2.0, 0.85)
-    # measured defaults that differ from the spec (README, issue 8): soft-NMS off,
+    # measured defaults that differ from the spec (docs/method.md): soft-NMS off,
     # neighbourhood pooling +-3 on
     assert c.use_prior and not c.use_nms and c.use_exclusivity and c.pool_radius == 3
     assert (c.sinks, c.budget) == (4, 2048)

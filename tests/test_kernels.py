@@ -478,7 +478,7 @@ def test_batch_and_context_build_no_new_kernel_variant():
     over batches 1-8 and contexts 300-1500: its constexprs and Triton's specializations
     do not follow the batch or the context. (As constexprs, the split counts built a new
     variant at the first step of each new batch x context, a compile inside the decode
-    loop: bench/NOTES.md, section 7.)"""
+    loop: bench/NOTES.md, section 6.)"""
     with recorded_variants() as keys:
         launch_decode_step_kernels()
     launched = {"_fast_decode_kernel", "_dense_scores_kernel", "_row_stats_kernel",

@@ -1,4 +1,4 @@
-"""The package's shape (issue 26): no import circle among the product's modules (imports
+"""The package's shape: no import circle among the product's modules (imports
 inside functions count; those under `if TYPE_CHECKING:` do not), no product file over 600
 lines, no private name of one module used by another, and the bench harness outside the
 package. Read from the source files, as the package is laid out by pyproject.toml."""
@@ -147,3 +147,45 @@ def test_the_method_does_not_import_sglang():
                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(m == "sglang" or m.startswith("sglang.") for m in mods), (name, mods)
             assert not any(m.startswith("sfi_sglang.integration") for m in mods), (name, mods)
+
+
+def _paths_named(text: str) -> set[str]:
+    """Repository paths a document names (`bench/results/x.{json,md}` expanded)."""
+    import re
+
+    out = set()
+    for m in re.finditer(r"((?:bench|docs|examples|tests|kernels|router|sfi_sglang)/[\w./{},*-]+)", text):
+        p = m.group(1).rstrip(".,)")
+        if "*" in p:
+            continue
+        brace = re.search(r"\{([^}]*)\}", p)
+        alts = brace.group(1).split(",") if brace else [""]
+        for a in alts:
+            out.add(p[:brace.start()] + a + p[brace.end():] if brace else p)
+    return out
+
+
+def test_readme_is_for_users():
+    """README: at most 300 lines; no path outside the repository and no project history;
+    every repository path it names exists; every SFIConfig field is in its flag table."""
+    import re
+
+    from sfi_sglang.method.config import SFIConfig, cli_name
+
+    text = (_REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 300
+    assert "../" not in text
+    assert not re.search(r"\b(issue|session)s? ?#?\d", text, re.I)
+    missing = sorted(p for p in _paths_named(text) if not (_REPO / p).exists())
+    assert not missing, missing
+    for doc in ("docs/method.md", "docs/design.md"):
+        assert doc in text and (_REPO / doc).is_file()
+        assert not [p for p in _paths_named((_REPO / doc).read_text()) if not (_REPO / p).exists()], doc
+    flags = set(re.findall(r"`(--sfi-[a-z0-9-]+)`", text))
+    assert {cli_name(f) for f in SFIConfig.field_names()} <= flags, (
+        {cli_name(f) for f in SFIConfig.field_names()} - flags)
+
+
+def test_the_path_check_sees_a_missing_file():
+    assert _paths_named("see `bench/results/a.{json,md}` and docs/x.md.") == {
+        "bench/results/a.json", "bench/results/a.md", "docs/x.md"}

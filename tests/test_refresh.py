@@ -2,9 +2,9 @@
 window 64, SGLang's --enable-deterministic-inference so that a batch gives what alone
 gives):
 
-* `--sfi-refresh adaptive` (issue 18): a slow step also when the fast step's log-sum-exp
+* `--sfi-refresh adaptive`: a slow step also when the fast step's log-sum-exp
   over the sparse memory fell below its value after the last refresh;
-* retractions (issue 16): under SGLANG_TEST_RETRACT, SGLang's own switch, the scheduler
+* retractions: under SGLANG_TEST_RETRACT, SGLang's own switch, the scheduler
   retracts a request of every decode batch of 2+ rows each SGLANG_TEST_RETRACT_INTERVAL
   forwards, as it does when the KV pool runs out; the request comes back by a prefill that
   recomputes its KV. A request alone (one row) is never retracted."""

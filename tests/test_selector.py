@@ -319,7 +319,7 @@ def _copy_case(k_peaks=(40, 100, 150)):
 
 
 def test_default_selection_keeps_the_tokens_after_a_peak():
-    """Issue 8: SFI failed passkey retrieval (0/3 at 2K, 15% retention; dense 3/3) because the
+    """SFI once failed passkey retrieval (0/3 at 2K, 15% retention; dense 3/3) because the
     bootstrap selection kept the first digit the rows attend to but not the digits after it,
     which the answer copies before any refresh. Soft-NMS (radius 16) pushes exactly those
     neighbours down; the default now pools instead (no NMS, +-3): each peak brings its span."""

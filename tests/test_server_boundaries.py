@@ -3,7 +3,7 @@
 (conftest's shared_server: requests carry its API key, table updates its admin key).
 
 Where slow steps must fire is computed independently from each response's own output
-tokens with the trigger rule of SFI_SPEC.md (a boundary token makes the refresh pending;
+tokens with the trigger rule of docs/method.md (a boundary token makes the refresh pending;
 the next content token runs the slow step). Requests use min_gap 1, cooldown 0 and
 max_interval at the model's context length (the largest a request may ask for), so every
 slow step comes from a boundary."""

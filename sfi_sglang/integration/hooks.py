@@ -102,7 +102,7 @@ def _reserve_sfi_memory(original, self, *args, **kwargs):
     after the weights), and the `sfi` backend allocates its own tensors afterwards. Without
     this they come out of the activation headroom instead: on the H200, 64 request slots of
     Qwen3-4B (290 MB each at --sfi-budget 2048) ran a 32K prefill out of memory
-    (bench/NOTES.md section 7). No extension point exists for it."""
+    (bench/NOTES.md section 6). No extension point exists for it."""
     available = original(self, *args, **kwargs)
     sa = self.server_args
     if "sfi" not in {sa.attention_backend, getattr(sa, "decode_attention_backend", None),

@@ -3,7 +3,7 @@
 Compiles the kernels of a prompt's selection and of every kind of decode row (slow: dense
 attention with scores, the Selector, pack; fast; dense; key norms) before serving.
 Otherwise the first request to need each one waits for its compile, seconds each, once per
-process (bench/NOTES.md, section 7). No kernel variant follows the batch or the context
+process (bench/NOTES.md, section 6). No kernel variant follows the batch or the context
 (tests/test_kernels.py); what remains is the prompt length modulo 16 (Triton's
 specialization) and whether the context fits the budget (top-k takes every key): four
 lengths cover them (tests/test_bench.py). Two requests in slots 1 and 2 (SFI on; SFI off: a

@@ -68,7 +68,7 @@ class SFIConfig:
     dense_layers: tuple[int, ...] = (0, 1)
     # last prompt query rows used for the bootstrap selection at the end of prefill
     bootstrap_rows: int = 8
-    # selector (see selector.py; names follow ../shared/SFI_SPEC.md)
+    # selector (see selector.py; names follow docs/method.md)
     fusion: str = "arithmetic"           # "arithmetic" | "geometric"
     alpha: float = 0.5
     key_norm_gamma: float = 0.5
@@ -84,7 +84,7 @@ class SFIConfig:
     excl_temperature: float = 2.0
     excl_strength: float = 0.85
     # neighbourhood max-pooling of the final score (selector.pool_neighbours); 0 = off.
-    # Default 3 with soft-NMS off (use_nms): measured, see README and issue 8
+    # Default 3 with soft-NMS off (use_nms): measured, see docs/method.md
     pool_radius: int = 3
     # "sfi", or a baseline run by the same backend at the same token budget (S + W + K):
     # "streaming" (StreamingLLM: sinks + a sliding window of W + K), "snapkv" (select K once
@@ -95,12 +95,12 @@ class SFIConfig:
     page_size: int = 16
     # ablation switches
     use_prior: bool = True
-    use_nms: bool = False                # the spec's soft-NMS: off by default (README, issue 8)
+    use_nms: bool = False                # the spec's soft-NMS: off by default (docs/method.md)
     use_exclusivity: bool = True
     # fast-step kernel on CUDA (server-wide): "triton" (kernels.fast_decode over packed
     # sinks + selected and the window in place) or "flashinfer" (FlashInfer's paged decode,
     # page size 1, KV heads folded into the batch; needs flashinfer). Default by measurement:
-    # bench/NOTES.md section 4. The CPU always runs the torch reference.
+    # bench/NOTES.md section 14. The CPU always runs the torch reference.
     fast_path: str = "triton"
 
     def __post_init__(self):

@@ -1,5 +1,5 @@
 """The Selector: slow-step attention logits -> K positions per KV head
-(../shared/SFI_SPEC.md, the method's spec beside this repository).
+(docs/method.md).
 
 Every step is a plain batched function over
     B: any flattened batch (layers x requests),  H: KV heads,
