@@ -46,9 +46,13 @@ def test_tiny_throughput_run(tmp_path, refresh):
     (["--sfi-fast-path", "flashinfer"], "--no-cuda-graph"),
     (["--sfi-fast-path", "cuda"], "--sfi-fast-path"),
 ])
-def test_bad_options_exit_2(args, fragment):
-    r = subprocess.run(CLI + TINY + args, capture_output=True, text=True, timeout=120, cwd=str(_REPO))
-    assert r.returncode == 2 and fragment in r.stderr, r.stderr[-2000:]
+def test_bad_options_exit_2(args, fragment, capsys):
+    import harness
+
+    with pytest.raises(SystemExit) as exit_:
+        harness.main(TINY + args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and fragment in err, err[-2000:]
 
 
 _KERNEL_VS_REFERENCE = r"""

@@ -78,7 +78,7 @@ def test_help_and_bad_usage():
 
 
 def test_example_batch_offline():
-    out = subprocess.run([sys.executable, str(REPO / "examples" / "batch_offline.py")],
+    out = subprocess.run([sys.executable, str(REPO / "examples" / "batch_offline.py"), "--context-tokens", "400"],
                          capture_output=True, text=True, timeout=900, env=product_env())
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("Q: ") == 3 and "fast /" in out.stdout

@@ -13,6 +13,7 @@ step decisions are compared rank against rank on the same request (sfi_sglang.in
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -134,3 +135,17 @@ def test_dp2_serves_with_sfi_on_both_ranks(servers, tokenizer):
     assert {out["meta_info"]["dp_rank"] for out in outs} == {0, 1}  # round robin over both
     ranks = stats(dp2)["ranks"]
     assert len(ranks) == 2 and all(r["bootstrap_computed"] + r["bootstrap_reused"] >= 2 for r in ranks), ranks
+
+
+def test_dp2_controller_sleeps_when_idle(servers):
+    """Under --sleep-on-idle (every test server) the DP controller waits in a zmq poll when
+    no request comes (sfi_sglang.integration.hooks: SGLang's own loop polls without
+    blocking and took a whole core, idle, from the schedulers beside it)."""
+    import psutil
+
+    _, dp2 = servers
+    (ctl,) = [p for p in psutil.Process(dp2.proc.pid).children(recursive=True)
+              if "data_parallel_controller" in " ".join(p.cmdline())]
+    before = sum(ctl.cpu_times()[:2])
+    time.sleep(3)
+    assert sum(ctl.cpu_times()[:2]) - before < 0.3  # seconds of CPU in 3 s of idling

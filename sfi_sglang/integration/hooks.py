@@ -17,6 +17,7 @@ SAMPLING_PARAMS = "sglang.srt.sampling.sampling_params.SamplingParams"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
+DP_CONTROLLER = "sglang.srt.managers.data_parallel_controller.DataParallelController"
 
 META_KEY = "sfi"
 
@@ -62,6 +63,7 @@ def install() -> None:
                           HookType.AROUND)
     HookRegistry.register(f"{MODEL_RUNNER}.maybe_enable_batch_invariant_mode",
                           _batch_invariant_mode, HookType.AROUND)
+    HookRegistry.register(f"{DP_CONTROLLER}.event_loop", _dp_controller_sleeps_on_idle, HookType.AROUND)
     # Under sgl_kernel's torch stand-in (a GPU without sglang-kernel, SFI_SGLANG_TORCH_KERNELS):
     # every CUDA model's MLP asks the CUTLASS DSL module whether its SM100 dual GEMM applies,
     # importing the nvidia-cutlass-dsl package that comes with sglang-kernel's stack. Without
@@ -71,6 +73,34 @@ def install() -> None:
     if os.environ.get("SFI_SGLANG_TORCH_KERNELS") == "1":
         HookRegistry.register("sglang.srt.layers.dual_gemm.DualGemm._select_mode",
                               _no_dual_gemm_without_cutlass, HookType.AROUND)
+
+
+def _dp_controller_sleeps_on_idle(original, self):
+    """--sleep-on-idle for the data-parallel controller (--dp-size > 1). SGLang's scheduler
+    blocks in a zmq poll when idle under that flag, but its DP controller's event loop
+    polls the tokenizer socket without blocking, forever: a whole core per DP server, idle
+    or not (on the CPU engine it took a core from the schedulers it feeds). With the flag
+    the loop here drains the socket as SGLang's does, then waits in a zmq poll of at most
+    1 s for the next request (feeding the watchdog each time). Not a scheduler, so SGLang's
+    IdleSleeper does not reach it; no extension point exists for it."""
+    from sglang.srt.runtime_context import get_device
+
+    if not get_device().sleep_on_idle:
+        return original(self)
+    import zmq
+    from sglang.srt.managers import data_parallel_controller as dpc
+
+    poller = zmq.Poller()
+    poller.register(self.recv_from_tokenizer, zmq.POLLIN)
+    while True:
+        while True:
+            self.soft_watchdog.feed()
+            try:
+                recv_req = dpc.sock_recv(self.recv_from_tokenizer, flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                break
+            self._request_dispatcher(recv_req)
+        poller.poll(1000)
 
 
 def _batch_invariant_mode(original, self, *args, **kwargs):
