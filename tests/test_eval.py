@@ -50,26 +50,33 @@ def test_eval_quality_smoke(tmp_path):
     assert out.with_name(out.name + "_rate.png").stat().st_size > 1000  # KL against slow-step rate
 
 
-def test_eval_rejects_unknown_method():
-    r = subprocess.run([sfi_cli(), "eval", "quality", "--methods", "sfi,h2o"], capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == 2 and "h2o" in r.stderr
+def _eval_exit(argv, capsys) -> tuple[int, str]:
+    """`sfi-sglang eval quality ARGV` in this process: its exit code and stderr (usage
+    errors stop before any engine starts; the CLI's own dispatch is test_cli's)."""
+    from sfi_sglang.eval import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    return exit_.value.code, capsys.readouterr().err
 
 
-def test_eval_rejects_unknown_passkey_method():
-    r = subprocess.run([sfi_cli(), "eval", "quality", "--passkey-methods", "dense,sfi,h2o"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "h2o" in r.stderr
+def test_eval_rejects_unknown_method(capsys):
+    code, err = _eval_exit(["--methods", "sfi,h2o"], capsys)
+    assert code == 2 and "h2o" in err
 
 
-def test_eval_rejects_short_text_file(tmp_path):
+def test_eval_rejects_unknown_passkey_method(capsys):
+    code, err = _eval_exit(["--passkey-methods", "dense,sfi,h2o"], capsys)
+    assert code == 2 and "h2o" in err
+
+
+def test_eval_rejects_short_text_file(tmp_path, capsys):
     short = tmp_path / "short.txt"
     short.write_text("Far too short for a window of 512 + 6 tokens.")
-    r = subprocess.run([sfi_cli(), "eval", "quality", "--contexts", "512", "--steps", "6",
-                        "--text-file", str(short)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert str(short) in r.stderr and "needs at least 518" in r.stderr
-    assert "Traceback" not in r.stderr
+    code, err = _eval_exit(["--contexts", "512", "--steps", "6", "--text-file", str(short)], capsys)
+    assert code == 2, err[-3000:]
+    assert str(short) in err and "needs at least 518" in err
+    assert "Traceback" not in err
 
 
 def test_intervals_known_cases():
