@@ -32,7 +32,9 @@ Output ($OUT or --out): speed_h200.json, rewritten after every measurement: `swe
 layer and the heuristic's split count per context, batch and cap), and one row per
 (context, batch) with `step_ms` per engine, `best_dense` (the fastest dense engine of the
 row), `speedup` (best dense / sfi), and `ideal_ratio`: dense's non-attention time (the best
-dense step minus 36 layers of the sweep's best attention time) plus each side's attention
+dense step minus 36 layers of that engine's own kernel's time in the sweep: the triton sweep's
+best cap, or `fi_sweep`, FlashInfer's decode as SGLang's flashinfer backend plans it, when
+dense-flashinfer is the best) plus each side's attention
 at the HBM floor (4.3 TB/s, bench/NOTES.md section 1) for the bytes it must read per step
 (dense: the whole KV of every layer; SFI: the whole KV of its dense layers, sinks + window +
 budget of the others, and one slow step's whole KV per --slow-every steps); `of_ideal` =
@@ -52,6 +54,7 @@ import os
 import sys
 import time
 import traceback
+from typing import Optional
 
 import sglang_h200 as S
 
@@ -123,8 +126,78 @@ def sweep(shape: str, contexts, batches, splits, reps: int) -> list[dict]:
     return out
 
 
+def fi_sweep(shape: str, contexts, batches, reps: int) -> list[dict]:
+    """SGLang's flashinfer decode as its backend sets it up (page size 1, NHD, its own
+    tensor-core choice, one plan per step) on a Qwen3-4B layer: us per layer at each context
+    and batch, as `sweep` times the triton kernel. The `dense-flashinfer` engine's attention
+    time, for its rows' ideal bound."""
+    import flashinfer
+    import torch
+    from sglang.srt.layers.attention.flashinfer_backend import should_use_tensor_core
+
+    _, hq, hkv, d = layer_shape(shape)
+    dev = torch.device("cuda")
+    tc = should_use_tensor_core(torch.bfloat16, hq, hkv)
+    out = []
+    for n in contexts:
+        for b in batches:
+            tokens = n * b
+            kv_bytes = 2 * tokens * hkv * d * 2
+            copies = max(2, math.ceil(4 * L2_BYTES / kv_bytes))
+            if copies * kv_bytes > 40e9:
+                continue
+            k = torch.randn(copies * tokens, 1, hkv, d, device=dev, dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
+            indptr = torch.arange(b + 1, device=dev, dtype=torch.int32) * n
+            last = torch.ones(b, device=dev, dtype=torch.int32)
+            wrappers = []
+            for c in range(copies):
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    torch.empty(128 << 20, dtype=torch.uint8, device=dev), "NHD", use_tensor_cores=tc)
+                idx = torch.arange(c * tokens, (c + 1) * tokens, device=dev, dtype=torch.int32)
+                w.begin_forward(indptr, idx, last, hq, hkv, d, 1, data_type=torch.bfloat16,
+                                q_data_type=torch.bfloat16)
+                wrappers.append(w)
+            for w in wrappers:
+                w.forward(q, (k, v))
+            torch.cuda.synchronize()
+            times = []
+            for i in range(reps):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                wrappers[i % copies].forward(q, (k, v))
+                e1.record()
+                e1.synchronize()
+                times.append(e0.elapsed_time(e1) * 1e3)
+            times.sort()
+            us = times[len(times) // 2]
+            row = dict(context=n, batch=b, engine="dense-flashinfer", tensor_cores=tc, us=round(us, 1),
+                       hbm_fraction=round(kv_bytes / (us * 1e-6) / HBM, 3))
+            out.append(row)
+            print("FI_SWEEP " + json.dumps(row), flush=True)
+            del k, v, wrappers
+            torch.cuda.empty_cache()
+    return out
+
+
 def best_cap(sw: list[dict], n: int, b: int) -> dict:
-    return min((r for r in sw if r["context"] == n and r["batch"] == b), key=lambda r: r["us"])
+    """The sweep's fastest cap at context n and batch b; at the nearest swept context where
+    n was not swept (a --configs context outside --sweep-contexts)."""
+    rows = [r for r in sw if r["batch"] == b] or sw
+    near = min({r["context"] for r in rows}, key=lambda c: abs(math.log2(c / n)))
+    return min((r for r in rows if r["context"] == near), key=lambda r: r["us"])
+
+
+def attention_ms(result: dict, engine: str, n: int, b: int, layers: int) -> Optional[float]:
+    """One step's attention time of a dense engine from its own kernel's sweep at exactly
+    (n, b): the triton sweep's best cap for the triton engines (dense, dense-sN, dense-best),
+    the FlashInfer sweep for dense-flashinfer; None where that was not swept."""
+    if engine == "dense-flashinfer":
+        sw = [r["us"] for r in result.get("fi_sweep", []) if r["context"] == n and r["batch"] == b]
+    else:
+        sw = [r["us"] for r in result["sweep"] if r["context"] == n and r["batch"] == b]
+    return layers * min(sw) / 1e3 if sw else None
 
 
 def attention_bytes(shape: str, n: int, b: int, sfi: bool, cfg, slow_every: int) -> float:
@@ -226,6 +299,14 @@ def main(argv=None) -> int:
                                 [int(x) for x in args.sweep_batches.split(",")],
                                 [int(x) for x in args.splits.split(",")], args.sweep_reps)
         save()
+        if "dense-flashinfer" in engines:  # its own kernel's time, for its rows' ideal bound
+            try:
+                result["fi_sweep"] = fi_sweep(args.shape, [int(x) for x in args.sweep_contexts.split(",")],
+                                              [int(x) for x in args.sweep_batches.split(",")], args.sweep_reps)
+            except Exception:  # the engines still run; rows it would bound get no ideal
+                result["fi_sweep_error"] = traceback.format_exc()[-2000:]
+                print(result["fi_sweep_error"], flush=True)
+            save()
     max_ctx = max(S.context_length(args, n) for n, _ in configs)
     path = S.model_dir(args.shape, args.tokenizer, max(max_ctx, 40960))
     vocab = S.SHAPES[args.shape]["vocab_size"]
@@ -250,9 +331,8 @@ def main(argv=None) -> int:
         row["speedup"] = round(dense[best] / row["step_ms"]["sfi"], 3)
         row["speedup_vs_defaults"] = (round(dense["dense"] / row["step_ms"]["sfi"], 3)
                                       if "dense" in dense else None)
-        sw = [r for r in result["sweep"] if r["context"] == row["context"] and r["batch"] == row["batch"]]
-        if sw:
-            attn_ms = L * min(r["us"] for r in sw) / 1e3
+        attn_ms = attention_ms(result, best, row["context"], row["batch"], L)
+        if attn_ms is not None:  # the ideal bound from the best dense engine's own kernel
             non_attn = max(0.0, dense[best] - attn_ms)
             n, b = row["context"], row["batch"]
             ideal_dense = non_attn + 1e3 * attention_bytes(args.shape, n, b, False, cfg, args.slow_every) / HBM

@@ -332,3 +332,20 @@ def test_request_plot_marks_the_slow_steps(tmp_path):
     assert plot_request.main(["--from-json", str(_REPO / "bench/results/request_steps.json"),
                               "--out", str(out)]) == 0
     assert (tmp_path / "steps.png").stat().st_size > 10_000
+
+
+def test_speed_bound_reads_each_dense_engine_own_kernel():
+    """bench/speed_h200.py's ideal bound takes a row's attention time from its best dense
+    engine's own kernel (the triton sweep's best cap, or the FlashInfer sweep for
+    dense-flashinfer), none where that was not swept; a context outside the sweep takes the
+    nearest swept context's best cap instead of stopping the run."""
+    import speed_h200 as S
+
+    sw = [dict(context=32768, batch=1, cap=64, us=200.0), dict(context=32768, batch=1, cap=32, us=220.0),
+          dict(context=131072, batch=1, cap=128, us=400.0)]
+    assert S.best_cap(sw, 16384, 1)["cap"] == 64 and S.best_cap(sw, 131072, 1)["cap"] == 128
+    assert S.best_cap(sw, 32768, 8)["cap"] == 64  # no batch-8 sweep: batch 1's
+    res = dict(sweep=sw, fi_sweep=[dict(context=32768, batch=1, us=150.0)])
+    assert S.attention_ms(res, "dense-flashinfer", 32768, 1, 36) == pytest.approx(36 * 0.150)
+    assert S.attention_ms(res, "dense-best", 32768, 1, 36) == pytest.approx(36 * 0.200)
+    assert S.attention_ms(res, "dense-flashinfer", 131072, 1, 36) is None
