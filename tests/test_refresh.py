@@ -51,8 +51,8 @@ def greedy(n, **sfi):
 def test_adaptive_off_is_the_boundary_trigger(engine, prompts):
     """A threshold no drop reaches gives what refresh "boundary" gives: the same tokens,
     the same slow steps, none of them adaptive."""
-    off = engine.generate(input_ids=prompts[0], sampling_params=greedy(60, adaptive_threshold=1e30))
-    boundary = engine.generate(input_ids=prompts[0], sampling_params=greedy(60, refresh="boundary"))
+    off = engine.generate(input_ids=prompts[0], sampling_params=greedy(40, adaptive_threshold=1e30))
+    boundary = engine.generate(input_ids=prompts[0], sampling_params=greedy(40, refresh="boundary"))
     assert off["output_ids"] == boundary["output_ids"]
     assert off["meta_info"]["sfi"]["slow_at"] == boundary["meta_info"]["sfi"]["slow_at"]
     assert off["meta_info"]["sfi"]["adaptive_slow_steps"] == 0
@@ -61,12 +61,12 @@ def test_adaptive_off_is_the_boundary_trigger(engine, prompts):
 def test_adaptive_fires_between_boundaries(engine, prompts):
     """A low threshold adds slow steps where the boundary trigger has none; each is counted
     as adaptive, and the log still holds every boundary refresh's kind of step."""
-    boundary = engine.generate(input_ids=prompts[1], sampling_params=greedy(60, refresh="boundary"))
-    low = engine.generate(input_ids=prompts[1], sampling_params=greedy(60, adaptive_threshold=0.02))
+    boundary = engine.generate(input_ids=prompts[1], sampling_params=greedy(40, refresh="boundary"))
+    low = engine.generate(input_ids=prompts[1], sampling_params=greedy(40, adaptive_threshold=0.02))
     sb, sl = boundary["meta_info"]["sfi"], low["meta_info"]["sfi"]
     assert sl["adaptive_slow_steps"] >= 1, sl
     assert sl["slow_steps"] > sb["slow_steps"], (sl["slow_at"], sb["slow_at"])
-    assert sl["fast_steps"] + sl["slow_steps"] == sb["fast_steps"] + sb["slow_steps"] == 59
+    assert sl["fast_steps"] + sl["slow_steps"] == sb["fast_steps"] + sb["slow_steps"] == 39
     # before its first slow step, the adaptive request decided as the boundary one did
     first = sl["slow_at"][0]
     assert [s for s in sb["slow_at"] if s < first] == []
