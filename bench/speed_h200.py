@@ -67,6 +67,26 @@ def layer_shape(shape: str) -> tuple[int, int, int, int]:
     return c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
 
 
+def median_us(call, copies: int, reps: int) -> float:
+    """Median of `reps` CUDA-event-timed calls in us, call(c) rotating over `copies` copies
+    of the data so that L2 holds none of the next call's (each copy run once first)."""
+    import torch
+
+    for c in range(copies):
+        call(c)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        call(i % copies)
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def sweep(shape: str, contexts, batches, splits, reps: int) -> list[dict]:
     import torch
     from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
@@ -104,19 +124,7 @@ def sweep(shape: str, contexts, batches, splits, reps: int) -> list[dict]:
                 def call(c):
                     decode_attention_fwd(q, k, v, o, indptr, idx[c], logits, lse, nsplit, cap, d ** -0.5, 1.0, 1.0)
 
-                for c in range(copies):
-                    call(c)
-                torch.cuda.synchronize()
-                times = []
-                for i in range(reps):
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    call(i % copies)
-                    e1.record()
-                    e1.synchronize()
-                    times.append(e0.elapsed_time(e1) * 1e3)
-                times.sort()
-                us = times[len(times) // 2]
+                us = median_us(call, copies, reps)
                 row = dict(context=n, batch=b, cap=cap, splits=int(nsplit[0]), us=round(us, 1),
                            hbm_fraction=round(kv_bytes / (us * 1e-6) / HBM, 3))
                 out.append(row)
@@ -159,19 +167,7 @@ def fi_sweep(shape: str, contexts, batches, reps: int) -> list[dict]:
                 w.begin_forward(indptr, idx, last, hq, hkv, d, 1, data_type=torch.bfloat16,
                                 q_data_type=torch.bfloat16)
                 wrappers.append(w)
-            for w in wrappers:
-                w.forward(q, (k, v))
-            torch.cuda.synchronize()
-            times = []
-            for i in range(reps):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                wrappers[i % copies].forward(q, (k, v))
-                e1.record()
-                e1.synchronize()
-                times.append(e0.elapsed_time(e1) * 1e3)
-            times.sort()
-            us = times[len(times) // 2]
+            us = median_us(lambda c: wrappers[c].forward(q, (k, v)), copies, reps)
             row = dict(context=n, batch=b, engine="dense-flashinfer", tensor_cores=tc, us=round(us, 1),
                        hbm_fraction=round(kv_bytes / (us * 1e-6) / HBM, 3))
             out.append(row)
