@@ -1,4 +1,4 @@
-"""Batching never changes what a request gets , probed on the CPU engine
+"""Batching never changes what a request gets, probed on the CPU engine
 (or a GPU: bench/garbage_h200.sh):
 greedy tokens and slow_at of N long prompts, alone vs all in one batch, and a scan of every
 output for garbage (private-use or replacement characters).

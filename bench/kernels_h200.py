@@ -713,7 +713,7 @@ def _stream_kernel(X, Out, n_per, BLOCK: tl.constexpr):
 
 
 def floor(l2_bytes):
-    """What bounds the fast step at batch 1 : the cost of one launch in a
+    """What bounds the fast step at batch 1: the cost of one launch in a
     CUDA graph, the best one-launch read of the fast step's bytes (a streaming kernel over
     the same bytes at several grid sizes), and fast-kernel variants with more parallelism
     than the tune phase tried (more splits, 32-token tiles), at B=1 and B=8, 32K."""

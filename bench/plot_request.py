@@ -46,6 +46,7 @@ def plot(res: dict, png: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     n0, held = res["prompt_tokens"], res["sinks"] + res["window"] + res["budget"]
     steps = range(1, len(res["tokens"]))  # decode step s makes output token s
@@ -55,8 +56,6 @@ def plot(res: dict, png: str) -> None:
     fig, ax = plt.subplots(figsize=(11, 3.6))
     ax.plot(list(steps), ctx, color="0.5", lw=1, label="dense attention reads the whole context")
     ax.bar(list(steps), read, width=1.0, color=["tab:red" if s in slow else "tab:blue" for s in steps])
-    from matplotlib.patches import Patch
-
     handles = [ax.get_lines()[0],
                Patch(color="tab:blue", label=f"fast step: sinks + window + selection ({held} positions)"),
                Patch(color="tab:red", label="slow step: dense, then the Selector makes the next selection")]

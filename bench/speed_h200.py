@@ -189,11 +189,9 @@ def attention_ms(result: dict, engine: str, n: int, b: int, layers: int) -> Opti
     """One step's attention time of a dense engine from its own kernel's sweep at exactly
     (n, b): the triton sweep's best cap for the triton engines (dense, dense-sN, dense-best),
     the FlashInfer sweep for dense-flashinfer; None where that was not swept."""
-    if engine == "dense-flashinfer":
-        sw = [r["us"] for r in result.get("fi_sweep", []) if r["context"] == n and r["batch"] == b]
-    else:
-        sw = [r["us"] for r in result["sweep"] if r["context"] == n and r["batch"] == b]
-    return layers * min(sw) / 1e3 if sw else None
+    rows = result.get("fi_sweep", []) if engine == "dense-flashinfer" else result["sweep"]
+    us = [r["us"] for r in rows if r["context"] == n and r["batch"] == b]
+    return layers * min(us) / 1e3 if us else None
 
 
 def attention_bytes(shape: str, n: int, b: int, sfi: bool, cfg, slow_every: int) -> float:

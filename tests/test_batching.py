@@ -1,4 +1,4 @@
-"""Batching never changes what a request gets , on a real `sfi-sglang
+"""Batching never changes what a request gets, on a real `sfi-sglang
 serve` (CPU engine, SmolLM2) under SGLang's --enable-deterministic-inference.
 
 Why the mode: SFI's slow steps pick positions by a top-k, a discrete choice, so the float
