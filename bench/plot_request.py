@@ -5,8 +5,10 @@ positions each step's attention read (README's picture).
         -> bench/results/request_steps.{json,png}
 
 Runs `sfi_sglang.Engine` on the embedded model (SmolLM2-135M, CPU engine): an essay prompt,
-greedy decoding. A fast step at context t reads min(t, S + W + K) positions per layer and KV
-head (sinks, window, selection); a slow step reads all t (dense, then the Selector). The slow
+greedy decoding. A fast step at context t reads min(t, S + K + W + d) positions per layer and
+KV head: sinks, selection, and the window, which grows by one token a step (d steps since
+the last selection: the prompt's end, or the last slow step); a slow step reads all t
+(dense, then the Selector). The slow
 steps are the ones the request reports in meta_info["sfi"]["slow_at"] (decode step s makes
 output token s), each labelled with the tokens that ended the sentence before it.
 """
@@ -52,12 +54,16 @@ def plot(res: dict, png: str) -> None:
     steps = range(1, len(res["tokens"]))  # decode step s makes output token s
     slow = set(res["slow_at"])
     ctx = [n0 + s for s in steps]
-    read = [c if s in slow else min(c, held) for s, c in zip(steps, ctx)]
+    read, last = [], 0  # the step of the last selection (0: the prompt's end)
+    for s, c in zip(steps, ctx):
+        read.append(c if s in slow else min(c, held + s - last))
+        last = s if s in slow else last
     fig, ax = plt.subplots(figsize=(11, 3.6))
     ax.plot(list(steps), ctx, color="0.5", lw=1, label="dense attention reads the whole context")
     ax.bar(list(steps), read, width=1.0, color=["tab:red" if s in slow else "tab:blue" for s in steps])
     handles = [ax.get_lines()[0],
-               Patch(color="tab:blue", label=f"fast step: sinks + window + selection ({held} positions)"),
+               Patch(color="tab:blue", label=f"fast step: sinks + selection + window ({held} positions, "
+                                             "+1 a step since the last selection)"),
                Patch(color="tab:red", label="slow step: dense, then the Selector makes the next selection")]
     for s in sorted(slow):  # the text before the slow step's input token, and that token
         before = "".join(res["tokens"][:s - 1])[-14:].replace("\n", "\u23ce")
