@@ -1,7 +1,9 @@
 """`sfi-sglang eval quality`: SFI and baselines against dense, through real SGLang.
 
-Three measurements, all on one Engine (radix cache off, so every request prefills its
-whole prompt and ends prefill with its own bootstrap selection):
+Three measurements, all on one Engine. Each prompt is prefilled once for all its runs
+(shared_prefill): the radix cache keeps the prompt but its last few rows, and every run
+(dense and each method) extends those rows itself, so it ends prefill with its own
+bootstrap selection as a whole prompt's prefill would, and costs only its decode steps:
   (a) teacher-forced decoding: a long natural text is the prompt, its true continuation
       is forced token by token (a custom logit processor) while each decode step's
       distribution is compared with the dense one at the same step: top-1 agreement and
@@ -43,33 +45,44 @@ from pathlib import Path
 import torch
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
+from sfi_sglang.method.config import SFIConfig
+
 # ---------------------------------------------------------------- in the scheduler process
 _REFERENCE: dict[str, dict[int, torch.Tensor]] = {}  # key -> step -> dense log-probs
+_WAITING: dict[tuple, list] = {}  # (key, step) -> [(rid, log-probs)] scored before the dense step
 _RESULTS: dict[str, dict] = {}  # rid -> {"steps", "agree", "kl"}
+
+
+def _score(rid: str, dense: torch.Tensor, logp: torch.Tensor) -> None:
+    res = _RESULTS.setdefault(rid, {"steps": 0, "agree": 0, "kl": 0.0})
+    res["steps"] += 1
+    res["agree"] += int(dense.argmax() == logp.argmax())
+    res["kl"] += float((dense.exp() * (dense - logp)).sum())
 
 
 class TeacherForce(CustomLogitProcessor):
     """Forces custom_params["sfi_eval"]["tokens"][step] and scores the unforced
-    distribution: role "reference" stores it, role "test" compares with the stored one."""
+    distribution: role "reference" stores it, role "test" compares with the stored one.
+    A batch's reference rows go first; a test step whose dense step has not run yet (its
+    reference decodes in another batch) waits for it."""
 
     def __call__(self, logits, custom_param_list=None):
-        for i, params in enumerate(custom_param_list or []):
-            ev = (params or {}).get("sfi_eval")
-            if not ev:
-                continue
-            req = params["__req__"]
+        rows = [(i, p["sfi_eval"], p["__req__"]) for i, p in enumerate(custom_param_list or [])
+                if p and p.get("sfi_eval")]
+        rows.sort(key=lambda r: r[1]["role"] != "reference")
+        for i, ev, req in rows:
             step = len(req.output_ids)
-            logp = torch.log_softmax(logits[i].float(), dim=-1)
             if step > 0:  # step 0 is sampled after prefill, which is always dense
+                logp = torch.log_softmax(logits[i].float(), dim=-1)
                 ref = _REFERENCE.setdefault(ev["key"], {})
                 if ev["role"] == "reference":
                     ref[step] = logp.cpu()
+                    for rid, waiting in _WAITING.pop((ev["key"], step), []):
+                        _score(rid, ref[step], waiting)
                 elif step in ref:
-                    dense = ref[step].to(logp.device)
-                    res = _RESULTS.setdefault(req.rid, {"steps": 0, "agree": 0, "kl": 0.0})
-                    res["steps"] += 1
-                    res["agree"] += int(dense.argmax() == logp.argmax())
-                    res["kl"] += float((dense.exp() * (dense - logp)).sum())
+                    _score(req.rid, ref[step].to(logp.device), logp)
+                else:
+                    _WAITING.setdefault((ev["key"], step), []).append((req.rid, logp.cpu()))
             tokens = ev["tokens"]
             forced = tokens[min(step, len(tokens) - 1)]
             logits[i].fill_(float("-inf"))
@@ -111,12 +124,15 @@ METHODS = {
     "sfi-adaptive": Method("sfi-adaptive", {"refresh": "adaptive", "adaptive_threshold": 0.5}),
     "sfi-adaptive-0.25": Method("sfi-adaptive-0.25", {"refresh": "adaptive", "adaptive_threshold": 0.25}),
     "sfi-adaptive-1": Method("sfi-adaptive-1", {"refresh": "adaptive", "adaptive_threshold": 1.0}),
+    # line ends are boundaries too (code and logs, whose sentences end rarely)
+    "sfi-lines": Method("sfi-lines", {"extra_boundaries": "line"}),
     "streaming": Method("streaming", {"method": "streaming"}),
     "snapkv": Method("snapkv", {"method": "snapkv"}),
     "quest": Method("quest", {"method": "quest"}),
 }
 BASELINES = ["sfi", "streaming", "snapkv", "quest"]
 SINKS = 4
+BOOTSTRAP_ROWS = SFIConfig().bootstrap_rows  # prompt rows every run extends itself (shared_prefill)
 
 
 def budget_for(retention: float, n: int) -> dict:
@@ -271,6 +287,18 @@ def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> str:
             + tokenizer.decode(filler_ids[cut:room]) + tail)
 
 
+def shared_prefill(engine, prompt: list[int], params: list[dict], force=None) -> list[dict]:
+    """Every run of `params` (sampling params, one per run) on one prompt, for the price of
+    one prefill: the prompt but its last BOOTSTRAP_ROWS tokens is prefilled once, dense, and
+    kept by the radix cache; then the runs go as one batch, each extending those last rows
+    (its own bootstrap selection from them, as a whole prompt's prefill would end) and
+    decoding side by side."""
+    head = prompt[:len(prompt) - BOOTSTRAP_ROWS]
+    engine.generate(input_ids=head, sampling_params={"max_new_tokens": 1, "custom_params": {"sfi": {"enabled": False}}})
+    return engine.generate(input_ids=[prompt] * len(params), sampling_params=params,
+                           custom_logit_processor=[force] * len(params) if force else None)
+
+
 def run(args, plan: dict) -> dict:
     """plan: texts()'s windows per context (args.first_text + args.texts of them)."""
     import sfi_sglang
@@ -292,7 +320,7 @@ def run(args, plan: dict) -> dict:
 
     engine = sfi_sglang.Engine(model_path=args.model_path, sfi_budget=max_total, sfi_window=max_window, sfi_sinks=SINKS,
                                **({"sfi_refresh": "adaptive"} if adaptive else {}),
-                               enable_custom_logit_processor=True, disable_radix_cache=True,
+                               enable_custom_logit_processor=True,
                                mem_fraction_static=args.mem_fraction_static,
                                # every method is a per-request config (budget, window, method):
                                # the host path of sfi_sglang.method.options, eager decode steps only
@@ -305,37 +333,42 @@ def run(args, plan: dict) -> dict:
     def save():  # rows so far, so a run stopped early still leaves its finished rows
         partial.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+    def sfi_params(r: float, n: int, m: str) -> dict:
+        return {"enabled": False} if m == "dense" else {**budget_for(r, n), **method_options(m)}
     try:
-        # (a) teacher-forced agreement and KL
-        runs_per_text = sum(1 for r in retentions for m in methods
-                            if r == args.ablation_retention or m in BASELINES)
-        bar = tqdm(total=runs_per_text * args.texts * len(contexts), desc="teacher-forced", unit="run")
+        # (a) teacher-forced agreement and KL: per text, dense and every (retention, method) run
+        # in one batch after one shared prefill
+        runs = [(r, m) for r in retentions for m in methods if r == args.ablation_retention or m in BASELINES]
+        bar = tqdm(total=len(runs) * args.texts * len(contexts), desc="teacher-forced", unit="run")
         for n in contexts:
             for t, (src, start, ids) in enumerate(plan[n][args.first_text:], start=args.first_text):
                 prompt, cont = ids[:n], ids[n:]
-                key = f"{n}-{t}"
                 common = {"temperature": 0, "max_new_tokens": len(cont), "ignore_eos": True}
-                engine.generate(input_ids=prompt, sampling_params={**common, "custom_params": {
-                    "sfi": {"enabled": False},
-                    "sfi_eval": {"key": key, "role": "reference", "tokens": cont}}},
-                    custom_logit_processor=force)
-                for r in retentions:
-                    for m in methods:
-                        if not (r == args.ablation_retention or m in BASELINES):
-                            continue
-                        opts = {**budget_for(r, n), **method_options(m)}
-                        out = engine.generate(input_ids=prompt, sampling_params={**common, "custom_params": {
-                            "sfi": opts, "sfi_eval": {"key": key, "role": "test", "tokens": cont}}},
-                            custom_logit_processor=force)
-                        ev = out["meta_info"]["sfi"].get("eval") or {}
-                        steps = max(ev.get("steps", 0), 1)
-                        rows.append({"kind": "teacher_forced", "context": n, "source": src, "text": t, "start": start,
-                                     "retention": r, "method": m, **opts,
-                                     "top1_agreement": ev.get("agree", 0) / steps,
-                                     "mean_kl": ev.get("kl", 0.0) / steps, "steps": ev.get("steps", 0),
-                                     "slow_steps": out["meta_info"]["sfi"]["slow_steps"]})
-                        bar.update(1)
-                        save()
+
+                def params(sfi: dict, role: str) -> dict:
+                    return {**common, "custom_params": {"sfi": sfi, "sfi_eval": {
+                        "key": f"{n}-{t}", "role": role, "tokens": cont}}}
+                outs = shared_prefill(engine, prompt, [params({"enabled": False}, "reference")]
+                                      + [params(sfi_params(r, n, m), "test") for r, m in runs], force)
+                for (r, m), out in zip(runs, outs[1:]):
+                    info = out["meta_info"]["sfi"]
+                    ev = info.get("eval") or {}
+                    steps = max(ev.get("steps", 0), 1)
+                    if ev.get("steps", 0) != len(cont) - 1:
+                        print(f"context {n}, text {t}, {m} at {r:.0%}: {ev.get('steps', 0)} of"
+                              f" {len(cont) - 1} steps scored", file=sys.stderr)
+                    rows.append({"kind": "teacher_forced", "context": n, "source": src, "text": t, "start": start,
+                                 "retention": r, "method": m, **sfi_params(r, n, m),
+                                 "top1_agreement": ev.get("agree", 0) / steps,
+                                 "mean_kl": ev.get("kl", 0.0) / steps, "steps": ev.get("steps", 0),
+                                 "slow_steps": info["slow_steps"],
+                                 # shared_prefill's check: the prompt but its last rows came from
+                                 # the radix cache, and the selection was this run's own
+                                 "cached_tokens": out["meta_info"].get("cached_tokens"),
+                                 "bootstrap_reused": info.get("bootstrap_reused", 0)})
+                bar.update(len(runs))
+                save()
         bar.close()
 
         # (b) passkey retrieval, (c) greedy match length, at args.ablation_retention
@@ -345,25 +378,21 @@ def run(args, plan: dict) -> dict:
         cases = [(n, d, rng.randrange(10000, 99999)) for n in lengths for d in (0.1, 0.5, 0.9)
                  for _ in range(args.passkey_keys)]
         for n, depth, key in tqdm(cases, desc="passkey", unit="prompt"):
-            prompt = passkey_prompt(tok, n, depth, key)
-            for m in pk_methods:
-                sfi = {"enabled": False} if m == "dense" else {
-                    **budget_for(args.ablation_retention, n), **method_options(m)}
-                out = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 10,
-                                               "custom_params": {"sfi": sfi}})
+            ids = tok.encode(passkey_prompt(tok, n, depth, key))
+            outs = shared_prefill(engine, ids, [{"temperature": 0, "max_new_tokens": 10, "custom_params": {
+                "sfi": sfi_params(args.ablation_retention, n, m)}} for m in pk_methods])
+            for m, out in zip(pk_methods, outs):
                 rows.append({"kind": "passkey", "context": n, "depth": depth, "method": m, "key": key,
                              "retention": args.ablation_retention,
                              "found": str(key) in out["text"], "text": out["text"]})
-                save()
+            save()
         for n in contexts[:1] if args.greedy else []:
-            ids = plan[n][0][2][:n]
-            dense = engine.generate(input_ids=ids, sampling_params={
+            greedy = ["dense"] + methods
+            outs = shared_prefill(engine, plan[n][0][2][:n], [{
                 "temperature": 0, "max_new_tokens": args.steps, "ignore_eos": True,
-                "custom_params": {"sfi": {"enabled": False}}})["output_ids"]
-            for m in tqdm(methods, desc="greedy", unit="method"):
-                out = engine.generate(input_ids=ids, sampling_params={
-                    "temperature": 0, "max_new_tokens": args.steps, "ignore_eos": True,
-                    "custom_params": {"sfi": {**budget_for(args.ablation_retention, n), **method_options(m)}}})
+                "custom_params": {"sfi": sfi_params(args.ablation_retention, n, m)}} for m in greedy])
+            dense = outs[0]["output_ids"]
+            for m, out in zip(methods, outs[1:]):
                 same = next((i for i, (a, b) in enumerate(zip(out["output_ids"], dense)) if a != b), len(dense))
                 rows.append({"kind": "greedy", "context": n, "method": m,
                              "retention": args.ablation_retention, "match_length": same,

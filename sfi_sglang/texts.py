@@ -51,7 +51,26 @@ def python_docs() -> dict[str, str]:
     return {k: topics[k] for k in sorted(topics)}
 
 
-BUILTIN_SOURCES = {"essays": essays, "python-docs": python_docs, "licenses": licenses}
+PYTHON_SOURCE_CHARS = 4_000_000  # enough for 8 windows of 32K tokens and more
+
+
+def python_source() -> dict[str, str]:
+    """module -> source of the standard library's top-level modules (in every CPython),
+    sorted by name, up to PYTHON_SOURCE_CHARS characters in all: code, the context a coding
+    agent holds (its sentences end rarely; its lines often)."""
+    import sysconfig
+
+    out, size = {}, 0
+    for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        if size >= PYTHON_SOURCE_CHARS:
+            break
+        out[p.stem] = p.read_text(encoding="utf-8", errors="replace")
+        size += len(out[p.stem])
+    return out
+
+
+BUILTIN_SOURCES = {"essays": essays, "python-docs": python_docs, "licenses": licenses,
+                   "python-source": python_source}
 
 
 def source_text(name: str) -> str:

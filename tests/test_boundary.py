@@ -34,11 +34,13 @@ def piece_id(tok, text):
 def test_parse_spec():
     latin = {".", "?", "!", "\u2026"}
     cjk = {"\u3002", "\uff1f", "\uff01"}
-    assert parse_boundary_spec("default") == (frozenset(latin | cjk), False)
-    assert parse_boundary_spec("latin") == (frozenset(latin), False)
-    assert parse_boundary_spec("cjk, paragraph") == (frozenset(cjk), True)
-    assert parse_boundary_spec("latin,mark:;") == (frozenset(latin | {";"}), False)
-    assert parse_boundary_spec("none") == (frozenset(), False)
+    none = frozenset()
+    assert parse_boundary_spec("default") == (frozenset(latin | cjk), none)
+    assert parse_boundary_spec("latin") == (frozenset(latin), none)
+    assert parse_boundary_spec("cjk, paragraph") == (frozenset(cjk), frozenset({"\n\n", "\r\n\r\n"}))
+    assert parse_boundary_spec("line") == (none, frozenset({"\n"}))
+    assert parse_boundary_spec("latin,mark:;") == (frozenset(latin | {";"}), none)
+    assert parse_boundary_spec("none") == (none, none)
     for bad in ["", "latin,klingon", "none,latin", "mark:", "Latin"]:
         with pytest.raises(ValueError, match="invalid boundary spec"):
             parse_boundary_spec(bad)
@@ -65,6 +67,11 @@ def test_classify_text_other_specs():
     assert classify_text("x\n\n", marks, para) == (True, False)
     assert classify_text(";", marks, para) == (True, False)
     assert classify_text("\u3002", marks, para) == (False, True)
+    assert classify_text("x\n", marks, para) == (False, True)  # one line end: no paragraph
+    marks, lines = parse_boundary_spec("line")
+    assert classify_text("):\n", marks, lines) == (True, False)  # code: the line's end
+    assert classify_text("\n    ", marks, lines) == (True, False)
+    assert classify_text(" return", marks, lines) == (False, True)  # the next line's content
     marks, para = parse_boundary_spec("none")
     assert classify_text(".", marks, para) == (False, True)
 
@@ -97,6 +104,8 @@ def test_tables_real_tokenizer(tok):
     assert not is_b[nl] and not is_c[nl] and is_c[the]
     eos = tok.eos_token_id
     assert not is_b[eos] and not is_c[eos]
+    line_b, line_c = boundary_tables(tok, "line")
+    assert line_b[nl] and not line_c[nl] and line_c[the]
     para_b, _ = boundary_tables(tok, "default,paragraph")
     nn = tok.encode("\n\n", add_special_tokens=False)
     if len(nn) == 1:

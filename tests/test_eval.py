@@ -16,6 +16,8 @@ from sfi_sglang.texts import essays
 
 
 def test_eval_quality_smoke(tmp_path):
+    from sfi_sglang.eval import BOOTSTRAP_ROWS
+
     out = tmp_path / "q"
     doc = tmp_path / "doc.txt"
     doc.write_text("\n\n".join(list(essays().values())[:3])[:20000])
@@ -32,6 +34,8 @@ def test_eval_quality_smoke(tmp_path):
         (m, s) for m in ("sfi", "streaming", "sfi-adaptive") for s in (str(doc), "licenses"))
     for row in tf:
         assert row["steps"] == 5  # decode steps 1..5 scored against dense
+        # one prefill per text: each run extended only the rows its own selection reads
+        assert row["cached_tokens"] == 512 - BOOTSTRAP_ROWS and row["bootstrap_reused"] == 0
         assert 0.0 <= row["top1_agreement"] <= 1.0 and row["mean_kl"] >= 0.0
     assert all(row["slow_steps"] == 0 for row in tf if row["method"] == "streaming")  # no slow steps
     # an adaptive method makes the engine adaptive; the others then keep the boundary trigger

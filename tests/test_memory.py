@@ -169,6 +169,15 @@ def test_reference_partial_selection_matches_positions():
     k_nan, v_nan = (x.masked_fill(~seen[..., None], float("nan")) for x in (st["k"], st["v"]))
     out_nan = mem.attend_fast(1, st["q"], k_nan, v_nan, st["rtt"], st["rpi"], st["seq_lens"], 0.25)
     assert torch.equal(out_nan, out)
+    # a row of length 0 reads nothing (the backend's host-path rows): 0, lse -inf, others alike
+    skip = st["seq_lens"].clone()
+    skip[1] = 0
+    lse_skip = torch.empty_like(lse)
+    out_skip = mem.attend_fast(1, st["q"], st["k"], st["v"], st["rtt"], st["rpi"], skip, 0.25,
+                               lse_out=lse_skip, max_len=max(t))
+    assert (out_skip[1] == 0).all() and (lse_skip[1] == float("-inf")).all()
+    keep = [0, 2, 3]
+    assert rel_err(out_skip[keep], out[keep]) < 1e-6 and torch.allclose(lse_skip[keep], lse[keep])
     for b, slot in enumerate(st["rpi"].tolist()):
         p = fast_positions(mem, 1, slot, t[b])                   # [H, L]
         hi = int(ws[b])

@@ -176,12 +176,24 @@ class SFIAttnBackend(AttentionBackend):
             rids = getattr(forward_batch, "rids", None)
             if rids:
                 meta.host_rows = self.slots.host_rows(rids)
+                if meta.host_rows and not self.memory.packed:
+                    meta.host_only = self._host_only(meta.host_rows, len(rids))
                 info = getattr(forward_batch, "sampling_info", None)
                 grammars = (getattr(info, "grammars", None) if info is not None else None) or []
                 extra = [(state.REQUEST_PARAMS.get(rid) or {}).get(EXTRA_IDS_KEY) for rid in rids]
                 meta.extra_rows = extra_boundary_rows(forward_batch.input_ids, extra, grammars)
         elif mode.is_extend() and not mode.is_mixed():
             self.slots.start_requests(forward_batch)
+
+    def _host_only(self, host_rows, batch: int) -> torch.Tensor:
+        """[L, B]: the host rows at the layers they do not keep dense, where their own pass
+        (HostPath.decode) replaces the device pass, which then skips them (the torch
+        reference computes only the rows it reads; the kernels run every row regardless)."""
+        mask = torch.zeros(self.num_layers, batch, dtype=torch.bool)
+        for i, _, req in host_rows:
+            mask[:, i] = True
+            mask[list(req.cfg.dense_layers), i] = False
+        return mask.to(self.device)
 
     def _device_metadata(self, forward_batch) -> None:
         """Device part (recorded in a decode CUDA graph)."""
@@ -273,10 +285,14 @@ class SFIAttnBackend(AttentionBackend):
         kc, vc = self._kv(lid)
         r2t = self.req_to_token_pool.req_to_token
         slots, seq_lens = forward_batch.req_pool_indices, forward_batch.seq_lens
-        o = mem.attend_fast(lid, q, kc, vc, r2t, slots, seq_lens, scale, max_len=meta.ref_len,
+        need, slow_rows, batched = rows.need_l[lid], rows.slow_l[lid], meta.layer_scores
+        fast_lens = seq_lens
+        if meta.host_only is not None:  # length 0: the reference skips them
+            fast_lens = torch.where(meta.host_only[lid], torch.zeros_like(seq_lens), seq_lens)
+            need = need & ~meta.host_only[lid]
+        o = mem.attend_fast(lid, q, kc, vc, r2t, slots, fast_lens, scale, max_len=meta.ref_len,
                             fast_plan=meta.fast_plan, win_start=meta.win_start,
                             lse_out=self.monitor.out(lid, q.shape[0]))
-        need, slow_rows, batched = rows.need_l[lid], rows.slow_l[lid], meta.layer_scores
 
         def dense_pass():
             # rows that are not slow or dense read nothing (length 0); their output stays fast

@@ -71,9 +71,16 @@ class NodeMemory:
                 and seq_len - self.hi <= cfg.window + cfg.budget)
 
 
+# options a selection does not depend on: when slow steps happen, the window (`fits` checks
+# it against hi) and the fast kernel
+_NOT_SELECTION = frozenset({"window", "min_gap", "cooldown", "max_interval", "refresh",
+                            "adaptive_threshold", "boundaries", "fast_path"})
+
+
 def compat_key(cfg: SFIConfig) -> tuple:
-    """The options a selection depends on for its shape and meaning."""
-    return (cfg.sinks, cfg.budget, tuple(sorted(cfg.dense_layers)), getattr(cfg, "method", "sfi"))
+    """The options a selection depends on for its shape and meaning: every option but
+    _NOT_SELECTION's (a request with its own Selector options makes its own selection)."""
+    return tuple((name, getattr(cfg, name)) for name in cfg.field_names() if name not in _NOT_SELECTION)
 
 
 def export_memory(slots: Slots, slot: int) -> Optional[NodeMemory]:

@@ -21,17 +21,22 @@ MARK_CLASSES = {
     "latin": (".", "?", "!", "\u2026"),          # . ? ! …
     "cjk": ("\u3002", "\uff1f", "\uff01"),       # 。 ？ ！
 }
+BREAK_CLASSES = {
+    "paragraph": ("\n\n", "\r\n\r\n"),                  # a blank line
+    "line": ("\n",),                                      # a line end
+}
 # longest boundary spec accepted (--sfi-boundaries, POST /sfi/boundaries, a request's
 # extra_boundaries): each distinct spec costs a vocabulary scan and a cached table
 MAX_SPEC_CHARS = 4096
 CLOSERS = "\"')]}\u201d\u2019\u300d\u300f\u300b"  # " ' ) ] } ” ’ 」 』 》
 
 
-def parse_boundary_spec(spec: str) -> tuple[frozenset[str], bool]:
-    """Spec string -> (sentence marks, paragraph flag).
+def parse_boundary_spec(spec: str) -> tuple[frozenset[str], frozenset[str]]:
+    """Spec string -> (sentence marks, breaks: texts a boundary token contains).
 
     Comma-separated items: "latin" (. ? ! …), "cjk" (。 ？ ！), "paragraph" (tokens
-    containing a blank line, "\\n\\n"), "default" (= latin,cjk), "mark:X" (the literal
+    containing a blank line, "\\n\\n"), "line" (tokens containing a line end: code, logs,
+    lists), "default" (= latin,cjk), "mark:X" (the literal
     mark X, e.g. "mark:;"; X cannot contain a comma), or "none" alone (no boundaries:
     only max_interval triggers refreshes), at most MAX_SPEC_CHARS characters. Anything
     else raises ValueError.
@@ -43,23 +48,23 @@ def parse_boundary_spec(spec: str) -> tuple[frozenset[str], bool]:
                          f"{MAX_SPEC_CHARS}")
     items = [s.strip() for s in spec.split(",")]
     if items == ["none"]:
-        return frozenset(), False
+        return frozenset(), frozenset()
     marks: set[str] = set()
-    paragraph = False
+    breaks: set[str] = set()
     for item in items:
         if item == "default":
             marks.update(MARK_CLASSES["latin"] + MARK_CLASSES["cjk"])
         elif item in MARK_CLASSES:
             marks.update(MARK_CLASSES[item])
-        elif item == "paragraph":
-            paragraph = True
+        elif item in BREAK_CLASSES:
+            breaks.update(BREAK_CLASSES[item])
         elif item.startswith("mark:") and len(item) > len("mark:"):
             marks.add(item[len("mark:"):])
         else:
             raise ValueError(
                 f"invalid boundary spec {spec!r} (bad item {item!r}); use a comma-separated "
-                f"list of latin, cjk, paragraph, default, mark:<text>, or 'none' alone")
-    return frozenset(marks), paragraph
+                f"list of latin, cjk, paragraph, line, default, mark:<text>, or 'none' alone")
+    return frozenset(marks), frozenset(breaks)
 
 
 def _strip_tail(text: str) -> str:
@@ -69,14 +74,14 @@ def _strip_tail(text: str) -> str:
     return text[:end]
 
 
-def classify_text(text: str, marks: frozenset[str], paragraph: bool) -> tuple[bool, bool]:
+def classify_text(text: str, marks: frozenset[str], breaks: frozenset[str]) -> tuple[bool, bool]:
     """(is_boundary, is_content) for one token's decoded text.
 
     content = not a boundary and not only whitespace / closing quotes and brackets.
     """
     core = _strip_tail(text)
     boundary = bool(core) and core.endswith(tuple(marks)) if marks else False
-    if paragraph and ("\n\n" in text or "\r\n\r\n" in text):
+    if any(b in text for b in breaks):
         boundary = True
     return boundary, (not boundary and bool(core))
 
@@ -97,7 +102,7 @@ def boundary_tables(tokenizer, spec: str = "default", vocab_size: int | None = N
 
     Special tokens and ids past the tokenizer (padded embedding rows) are neither.
     """
-    marks, paragraph = parse_boundary_spec(spec)
+    marks, breaks = parse_boundary_spec(spec)
     texts = _decode_vocab(tokenizer)
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     v = max(vocab_size or 0, len(texts))
@@ -105,7 +110,7 @@ def boundary_tables(tokenizer, spec: str = "default", vocab_size: int | None = N
     is_c = [False] * v
     for i, t in enumerate(texts):
         if i not in special:
-            is_b[i], is_c[i] = classify_text(t, marks, paragraph)
+            is_b[i], is_c[i] = classify_text(t, marks, breaks)
     return (torch.tensor(is_b, dtype=torch.bool, device=device),
             torch.tensor(is_c, dtype=torch.bool, device=device))
 

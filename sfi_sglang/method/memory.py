@@ -300,6 +300,31 @@ class SparseMemory:
             out = q.new_empty((b, hq, v_cache.shape[-1]))
         if b == 0:
             return out
+        if not q.is_cuda:  # the CPU, where host reads cost nothing: compute only what is read
+            live = allowed.flatten(1).any(1)
+            if not bool(live.all()):  # rows with nothing to read (not in this pass) give 0
+                rows = live.nonzero()[:, 0]
+                out[~live] = 0
+                if logits_out is not None:
+                    logits_out[~live] = float("-inf")
+                if lse_out is not None:
+                    lse_out[~live] = float("-inf")
+                if rows.numel():
+                    sub_logits, sub_lse = (None if x is None else x.new_empty((rows.numel(),) + x.shape[1:])
+                                           for x in (logits_out, lse_out))
+                    out[rows] = self._attend_masked_ref(q[rows], k_cache, v_cache, req_to_token, rpi[rows],
+                                                        allowed[rows], sm_scale, None, sub_logits, sub_lse)
+                    if logits_out is not None:
+                        logits_out[rows] = sub_logits
+                    if lse_out is not None:
+                        lse_out[rows] = sub_lse
+                return out
+            if logits_out is None:
+                counts = allowed.sum(-1)  # [b, H_kv]
+                width = int(counts.max())
+                if 2 * width <= n:  # a fast step's memory: gather its positions, not all n
+                    return self._attend_listed_ref(q, k_cache, v_cache, req_to_token, rpi, allowed, counts,
+                                                   width, sm_scale, out, lse_out)
         h = self.num_kv_heads
         tok = req_to_token[rpi, :n].long()                                       # [b, n]
         tok = torch.where(allowed.any(1), tok, 0)  # past a row's context: any valid KV slot
@@ -322,6 +347,29 @@ class SparseMemory:
             v.masked_fill_(~allowed.transpose(1, 2)[..., None], 0.0)
             o = torch.einsum("bhgn,bnhd->bhgd", p, v)
         out.copy_(o.reshape(b, hq, -1).to(out.dtype))
+        return out
+
+    def _attend_listed_ref(self, q, k_cache, v_cache, req_to_token, rpi, allowed, counts, width: int,
+                           sm_scale, out, lse_out):
+        """_attend_masked_ref over each (row, KV head)'s allowed positions only, `width` at
+        most (counts [b, H_kv] of them): gathers width instead of n keys and values."""
+        b, hq, d = q.shape
+        h = self.num_kv_heads
+        # the allowed positions first, in ascending order (a stable sort of the mask)
+        idx = torch.sort(allowed.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :width]
+        valid = torch.arange(width, device=q.device) < counts[..., None]     # [b, h, width]
+        tok = req_to_token[rpi].long().gather(1, idx.reshape(b, -1)).view(b, h, width)
+        tok = torch.where(valid, tok, 0)
+        heads = torch.arange(h, device=q.device)[None, :, None]
+        key = k_cache[tok, heads].float()                                     # [b, h, width, D]
+        value = v_cache[tok, heads].float().masked_fill(~valid[..., None], 0.0)
+        qg = q.float().view(b, h, hq // h, d)
+        logits = torch.matmul(qg, key.transpose(-1, -2)) * sm_scale           # [b, h, g, width]
+        masked = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+        if lse_out is not None:
+            lse_out.copy_(torch.logsumexp(masked, -1).reshape(b, hq))
+        p = torch.nan_to_num(torch.softmax(masked, -1), nan=0.0)
+        out.copy_(torch.matmul(p, value).reshape(b, hq, -1).to(out.dtype))
         return out
 
     def _dense_mask(self, seq_lens, n: int) -> torch.Tensor:

@@ -143,6 +143,8 @@ class StepMetadata:
     win_start: Optional[torch.Tensor] = None  # [B] the fast kernel's window starts
     layer_scores: Optional[torch.Tensor] = None  # [L_sparse, B, H_q, N]: batched Selector
     fast_plan: Any = None  # the FlashInfer fast path's plan (eager steps)
+    # the torch reference: [L, B] host rows whose own pass replaces the device pass at a layer
+    host_only: Optional[torch.Tensor] = None
 
 
 # A slow step keeps every sparse layer's scores until the step's end and runs the Selector
