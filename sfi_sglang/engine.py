@@ -105,6 +105,9 @@ def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict
         from sfi_sglang.method.options import EAGER_ENV
 
         os.environ[EAGER_ENV] = "1" if out.get("disable_cuda_graph") else "0"
+        if cfg.topup_pages and not out.get("disable_cuda_graph"):
+            raise ValueError("--sfi-topup-pages runs in the torch reference (eager decode steps): "
+                             "it needs --disable-cuda-graph (or --sfi-topup-pages 0)")
         if cfg.fast_path == "flashinfer" and has_gpu() and not out.get("disable_cuda_graph"):
             raise ValueError("--sfi-fast-path flashinfer plans each step on the host: it needs "
                              "--disable-cuda-graph (or keep the default --sfi-fast-path triton)")

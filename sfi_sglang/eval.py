@@ -126,6 +126,10 @@ METHODS = {
     "sfi-adaptive-1": Method("sfi-adaptive-1", {"refresh": "adaptive", "adaptive_threshold": 1.0}),
     # line ends are boundaries too (code and logs, whose sentences end rarely)
     "sfi-lines": Method("sfi-lines", {"extra_boundaries": "line"}),
+    # the held memory plus a per-step top-up (Quest's page bound) at the same token budget:
+    # this share of K read as top-up pages, the rest held
+    "sfi-topup": Method("sfi-topup", {"topup_share": 0.25}),
+    "sfi-topup-half": Method("sfi-topup-half", {"topup_share": 0.5}),
     "streaming": Method("streaming", {"method": "streaming"}),
     "snapkv": Method("snapkv", {"method": "snapkv"}),
     "quest": Method("quest", {"method": "quest"}),
@@ -335,7 +339,15 @@ def run(args, plan: dict) -> dict:
         partial.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
 
     def sfi_params(r: float, n: int, m: str) -> dict:
-        return {"enabled": False} if m == "dense" else {**budget_for(r, n), **method_options(m)}
+        if m == "dense":
+            return {"enabled": False}
+        opts = {**budget_for(r, n), **method_options(m)}
+        share = opts.pop("topup_share", 0)
+        if share:  # the same token budget: K = held + top-up pages
+            page = SFIConfig().page_size
+            pages = max(1, int(opts["budget"] * share) // page)
+            opts.update(budget=max(1, opts["budget"] - pages * page), topup_pages=pages)
+        return opts
     try:
         # (a) teacher-forced agreement and KL: per text, dense and every (retention, method) run
         # in one batch after one shared prefill

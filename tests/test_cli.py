@@ -4,6 +4,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, product_env, sfi_cli
 
 from sfi_sglang.integration.quiet import HARMLESS_LOGS, HARMLESS_WARNINGS
@@ -100,3 +102,18 @@ def test_sfi_raises_the_triton_split_cap_unless_given(monkeypatch):
     assert launch_kwargs(base, SFIConfig(), enabled=True)[key] == SFI_TRITON_KV_SPLITS
     assert launch_kwargs({**base, key: 16}, SFIConfig(), enabled=True)[key] == 16
     assert key not in launch_kwargs(base, SFIConfig(), enabled=False)
+
+
+def test_topup_needs_eager_decode_steps(monkeypatch):
+    """The top-up runs in the torch reference (eager steps): a launch with CUDA graphs on
+    is refused with what to change; without graphs (the CPU's default) it launches."""
+    import os
+
+    from sfi_sglang.engine import launch_kwargs
+    from sfi_sglang.method.config import SFIConfig
+
+    monkeypatch.setattr(os, "environ", os.environ.copy())
+    with pytest.raises(ValueError, match="--sfi-topup-pages .* needs --disable-cuda-graph"):
+        launch_kwargs({"model_path": "m", "disable_cuda_graph": False}, SFIConfig(topup_pages=2), enabled=True)
+    assert launch_kwargs({"model_path": "m", "disable_cuda_graph": True}, SFIConfig(topup_pages=2),
+                         enabled=True)["attention_backend"] == "sfi"

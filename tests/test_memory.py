@@ -194,6 +194,59 @@ def test_reference_partial_selection_matches_positions():
         assert (lse[b].double() - torch.logsumexp(logits, -1).reshape(-1)).abs().max() < 1e-5
 
 
+def test_topup_pages_are_the_best_pages_not_held():
+    """topup_positions: per KV head, the `pages` pages of [lo, hi) with the highest Quest
+    bound (an upper bound of every q.k on the page) among those the held selection does not
+    wholly cover, brute-forced on random inputs."""
+    from sfi_sglang.method.baselines import page_bounds, topup_positions
+
+    gen = torch.Generator().manual_seed(3)
+    H, G, D, n, lo, hi, page, pages = 2, 3, 8, 120, 4, 100, 8, 3
+    q, keys = torch.randn(H, G, D, generator=gen), torch.randn(n, H, D, generator=gen)
+    bound = page_bounds(q, keys, lo, (hi - lo) // page, page)           # [H, 12]
+    qk = torch.einsum("hgd,nhd->hgn", q, keys)[:, :, lo:lo + 12 * page]
+    assert (bound + 1e-5 >= qk.amax(1).reshape(H, 12, page).amax(-1)).all()
+    best = bound.argsort(dim=-1, descending=True)
+    # head 0 holds its best page whole and its second best in part; head 1 holds nothing
+    held = torch.full((H, 12), -1, dtype=torch.int64)
+    held[0, :page] = lo + best[0, 0] * page + torch.arange(page)
+    held[0, page:page + 2] = lo + best[0, 1] * page + torch.arange(2)
+    got = topup_positions(q, keys, held, lo, hi, pages, page)
+    assert got.shape == (H, pages * page)
+    for h, want in ((0, best[0, 1:4]), (1, best[1, :3])):
+        assert set(((got[h] - lo) // page).tolist()) == set(want.tolist())
+    assert topup_positions(q, keys, held, lo, lo + page - 1, pages, page).shape == (H, 0)  # no whole page
+    every = lo + torch.arange(12 * page).expand(H, -1)   # every page held: none left, all -1
+    assert (topup_positions(q, keys, every, lo, hi, pages, page) == -1).all()
+
+
+def test_reference_fast_step_with_extra_positions():
+    """attend_fast(extra=...) == float64 attention over the memory's positions and the extra
+    ones (deduplicated; -1 and positions past a row's context read nothing)."""
+    Hkv, G, D = 2, 2, 16
+    cfg = SFIConfig(sinks=4, window=8, budget=12, dense_layers=())
+    n_sel, t = [80, 60], [83, 61]
+    st, gen = make_pool(t, Hkv, G, D, seed=5)
+    mem = SparseMemory(2, [0, 1], 8, Hkv, D, cfg, DEV, torch.float32, packed=False)
+    pos, cnt, ws = selection(cfg, n_sel, Hkv, gen, k=10)
+    mem.store(1, st["rpi"], pos[..., :10], cnt, ws, st["k"], st["v"], st["rtt"])
+    extra = torch.full((2, Hkv, 6), -1, dtype=torch.int64)
+    extra[:, :, :3] = torch.tensor([20, 21, 22])
+    extra[0, 0, 3] = pos[0, 0, 0]           # already held: read once
+    extra[1, 1, 3] = 70                     # past row 1's context (61): not read
+    out = mem.attend_fast(1, st["q"], st["k"], st["v"], st["rtt"], st["rpi"], st["seq_lens"], 0.25,
+                          extra=extra.to(DEV))
+    for b, slot in enumerate(st["rpi"].tolist()):
+        base = fast_positions(mem, 1, slot, t[b])
+        for h in range(Hkv):
+            p = sorted(set(base[h].tolist()) | {x for x in extra[b, h].tolist() if 0 <= x < t[b]})
+            slots = st["rtt"][slot][p].long()
+            keys, vals = st["k"][slots, h].double(), st["v"][slots, h].double()
+            qh = st["q"][b].double().view(Hkv, G, D)[h]
+            o = torch.softmax(qh @ keys.T * 0.25, -1) @ vals
+            assert rel_err(out[b].view(Hkv, G, D)[h], o) < 1e-5
+
+
 def test_reset_store_and_bytes():
     Hkv, D = 2, 8
     mem = SparseMemory(3, [1, 2], 5, Hkv, D, CFG, DEV, torch.float16, packed=False)

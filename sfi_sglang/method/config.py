@@ -93,6 +93,11 @@ class SFIConfig:
     # from per-page min/max keys, plus sinks and window)
     method: str = "sfi"
     page_size: int = 16
+    # the per-step top-up of SFI's fast steps: also attend to the topup_pages pages of
+    # page_size tokens (inside [sinks, window start), not wholly held already) with the
+    # highest query-aware bound, Quest's, from the page's per-channel min/max keys; 0 = off.
+    # The torch reference only (eager decode steps): docs/method.md
+    topup_pages: int = 0
     # ablation switches
     use_prior: bool = True
     use_nms: bool = False                # the spec's soft-NMS: off by default (docs/method.md)
@@ -136,7 +141,7 @@ class SFIConfig:
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 bad(name, "a positive integer")
-        for name in ("sinks", "cooldown", "nms_radius", "pool_radius"):
+        for name in ("sinks", "cooldown", "nms_radius", "pool_radius", "topup_pages"):
             v = getattr(self, name)
             if not is_int(v) or v < 0:
                 bad(name, "a non-negative integer")

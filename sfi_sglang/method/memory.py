@@ -146,6 +146,12 @@ class SparseMemory:
         a copy, for sfi_sglang.integration.radix (host sync)."""
         return self.sel_pos[:, slot].clone(), int(self.sel_count[slot]), int(self.win_start[slot])
 
+    def held(self, layer_id: int, slot: int) -> tuple[torch.Tensor, int]:
+        """(selected positions [H_kv, count], window start) of a slot at one layer (host
+        read: the host path's top-up)."""
+        count = int(self.sel_count[slot])
+        return self.sel_pos[self.layer_index[layer_id], slot, :, :count], int(self.win_start[slot])
+
     def import_(self, slot: int, positions: torch.Tensor, count: int, win_start: int,
                 kv_caches, req_to_token: torch.Tensor, layer_ids: Iterable[int]) -> None:
         """Start `slot` from an exported selection (of a context whose first win_start
@@ -243,14 +249,16 @@ class SparseMemory:
                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                     out: Optional[torch.Tensor] = None, fast_plan=None, max_len: Optional[int] = None,
                     win_start: Optional[torch.Tensor] = None, lse_out: Optional[torch.Tensor] = None,
-                    **kernel_kw) -> torch.Tensor:
+                    extra: Optional[torch.Tensor] = None, **kernel_kw) -> torch.Tensor:
         """Fast-step attention q [b, H_q, D] -> [b, H_q, D] over sinks + selected + window.
         Triton: one kernels.fast_decode launch (no host sync); FlashInfer: `fast_plan` from
         plan_fast for these rows; else the torch reference over the first max_len
         positions (default max(seq_lens), a host read). win_start: the packed path's
         window starts of these rows, when the caller has them (step_window_start).
         lse_out [b, H_q] float32: also each head's log-sum-exp over the memory (Triton and
-        the torch reference; config.py refuses the adaptive trigger on FlashInfer)."""
+        the torch reference; config.py refuses the adaptive trigger on FlashInfer).
+        extra [b, H_kv, E] (torch reference only): positions read besides the memory (-1:
+        none), the top-up's pages."""
         li = self.layer_index[layer_id]
         rpi = req_pool_indices.to(self.device).long()
         if self.fast_path == "flashinfer":
@@ -263,6 +271,9 @@ class SparseMemory:
                                        sm_scale, out=out, lse_out=lse_out, **kernel_kw)
         n = self._ref_len(seq_lens, max_len)
         allowed = self._fast_mask(li, rpi, seq_lens, n)
+        if extra is not None:
+            inside = torch.arange(n, device=self.device) < seq_lens.to(self.device)[:, None, None]
+            allowed = allowed | (self._position_mask(extra, n) & inside)
         return self._attend_masked_ref(q, k_cache, v_cache, req_to_token, rpi, allowed, sm_scale, out,
                                        lse_out=lse_out)
 
@@ -283,10 +294,14 @@ class SparseMemory:
         t = seq_lens.to(self.device, torch.int64)[:, None, None]
         ws = self.win_start[rpi].clamp_min(self.sinks)[:, None, None]
         keep = (j < self.sinks) | (j >= ws)
-        sel = self.sel_pos[li, rpi].long()  # [b, H, K], -1 padded
-        hit = torch.zeros(sel.shape[0], sel.shape[1], n + 1, dtype=torch.bool, device=self.device)
-        hit.scatter_(2, torch.where((sel >= 0) & (sel < n), sel, n), True)
-        return (keep | hit[..., :n]) & (j < t)
+        return (keep | self._position_mask(self.sel_pos[li, rpi], n)) & (j < t)
+
+    def _position_mask(self, pos: torch.Tensor, n: int) -> torch.Tensor:
+        """[b, H, n] bool: the positions pos [b, H, E] (-1 or >= n: none)."""
+        pos = pos.long().to(self.device)
+        hit = torch.zeros(pos.shape[0], pos.shape[1], n + 1, dtype=torch.bool, device=self.device)
+        hit.scatter_(2, torch.where((pos >= 0) & (pos < n), pos, n), True)
+        return hit[..., :n]
 
     def _attend_masked_ref(self, q, k_cache, v_cache, req_to_token, rpi, allowed, sm_scale, out,
                            logits_out=None, lse_out=None):

@@ -24,7 +24,7 @@ EXTRA_IDS_KEY = "sfi_extra_boundary_ids"
 # Per-request options that count tokens: at most the model's context length (a larger one
 # means nothing more; window or max_interval 10**12 overflowed the scheduler's int tensors).
 TOKEN_COUNT_OPTIONS = ("window", "min_gap", "cooldown", "max_interval", "bootstrap_rows",
-                       "page_size", "nms_radius", "pool_radius")
+                       "page_size", "nms_radius", "pool_radius", "topup_pages")
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,8 @@ def on_device_path(cfg: SFIConfig, server: SFIConfig) -> bool:
     eagerly only."""
     same = all(getattr(cfg, f) == getattr(server, f) for f in SFIConfig.__dataclass_fields__
                if f not in DEVICE_OPTIONS)
-    return same and set(server.dense_layers) <= set(cfg.dense_layers)
+    # the top-up runs in the torch reference only (baselines.HostPath)
+    return same and set(server.dense_layers) <= set(cfg.dense_layers) and cfg.topup_pages == 0
 
 
 def _json_type(value) -> str:
