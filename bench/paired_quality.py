@@ -57,8 +57,43 @@ def main() -> None:
         dtop = [texts[t]["top1_agreement"] - ref[t]["top1_agreement"] for t in common]
         print(f"| {ctx} | {ret:.0%} | {m} | {len(common)} | {ci(dkl)} | {ci(dtop, 100, '+.1f')} |")
     print("\nIntervals: 95% Student t-interval over the per-text differences (text = unit).")
+    equal_reads(by, args.against, ci)
     if args.price:
         price(rows, args)
+
+
+def equal_reads(by: dict, against: str, ci) -> None:
+    """Each method against `against` at the same bytes read per step: per text, the
+    reference's mean KL and top-1 at the method's reads (eval.read_fraction), interpolated
+    linearly between the reference's retentions on that text; n/a outside their range."""
+    lines = []
+    for (ctx, ret, m), texts in sorted(by.items()):
+        if m == against or "read" not in next(iter(texts.values())):
+            continue
+        refs = sorted((r for (c, _, mm), r in by.items() if c == ctx and mm == against),
+                      key=lambda r: next(iter(r.values()))["read"])
+        dkl, dtop = [], []
+        for t, row in texts.items():
+            pts = [r[t] for r in refs if t in r]
+            lo = next((a for a, b in zip(pts, pts[1:]) if a["read"] <= row["read"] <= b["read"]), None)
+            if lo is None:
+                continue
+            hi = pts[pts.index(lo) + 1]
+            f = (row["read"] - lo["read"]) / ((hi["read"] - lo["read"]) or 1.0)
+            dkl.append(row["mean_kl"] - (lo["mean_kl"] + f * (hi["mean_kl"] - lo["mean_kl"])))
+            dtop.append(row["top1_agreement"] - (lo["top1_agreement"] + f * (hi["top1_agreement"]
+                                                                             - lo["top1_agreement"])))
+        reads = sum(r["read"] for r in texts.values()) / len(texts)
+        cells = (f"{len(dkl)} | {ci(dkl)} | {ci(dtop, 100, '+.1f')}" if dkl
+                 else f"0 | n/a: outside {against}'s reads | ")
+        lines.append(f"| {ctx} | {ret:.0%} | {m} | {reads:.1%} | {cells} |")
+    if lines:
+        print(f"\nAt equal reads: {against} interpolated, text by text, between its retentions to each"
+              " row's bytes read per step (eval.read_fraction):\n")
+        print(f"| context | retention | method | reads vs dense | texts | mean KL - {against}'s (nat) [95% CI] "
+              f"| top-1 - {against}'s (points) [95% CI] |")
+        print("|---|---|---|---|---|---|---|")
+        print("\n".join(lines))
 
 
 def price(rows: list[dict], args) -> None:

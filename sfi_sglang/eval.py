@@ -204,6 +204,35 @@ def texts(tokenizer, contexts: list[int], steps: int, count: int, files=(),
     return plan, skipped
 
 
+# ---------------------------------------------------------------- bytes read per step
+def read_fraction(row: dict) -> float:
+    """K/V bytes a sparse layer reads per scored decode step, as a fraction of a dense
+    step's, from a teacher-forced row (context n, its options, steps and slow steps):
+      streaming, snapkv  S + W + K
+      quest              S + W + K + n / page  (per-page min/max keys: one token's K and V
+                         per page)
+      sfi                fast steps S + K + W + d (the window grows d tokens after each
+                         selection; slow steps spread evenly, so d averages steps / (2
+                         (slow + 1))), slow steps n; with the top-up also P pages and the
+                         n / page summaries on fast steps
+    The dense layers read n in every method alike; the slow step's score writes (3% of
+    its reads) are left out."""
+    n, steps = row["context"], max(row["steps"], 1)
+    if row.get("enabled") is False:
+        return 1.0
+    s, w, k = row["sinks"], row["window"], row["budget"]
+    method, page = row.get("method"), SFIConfig().page_size
+    if method in ("streaming", "snapkv"):
+        return (s + w + k) / n
+    if method == "quest":
+        return (s + w + k // page * page + n / page) / n
+    slow = min(row.get("slow_steps", 0), steps)
+    fast = s + k + w + steps / (2 * (slow + 1))
+    if row.get("topup_pages"):
+        fast += row["topup_pages"] * page + n / page
+    return ((steps - slow) * fast + slow * n) / (steps * n)
+
+
 # ---------------------------------------------------------------- intervals (plain math)
 _T975 = [12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
          2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
@@ -259,7 +288,9 @@ def summary(rows: list[dict]) -> dict:
         a, a_lo, a_hi = mean_ci([r["top1_agreement"] for r in rs], 0.0, 1.0)
         k, k_lo, k_hi = mean_ci([r["mean_kl"] for r in rs], 0.0)
         steps = sum(r["steps"] for r in rs)
+        reads = [r["read"] for r in rs if "read" in r]
         tf.append({"method": m, "retention": ret, "context": ctx, "texts": len(rs),
+                   "read": sum(reads) / len(reads) if reads else None,
                    "sources": sorted({r["source"] for r in rs}), "steps": steps,
                    # slow decode steps per scored step (each run decodes its scored steps)
                    "slow_rate": sum(r.get("slow_steps", 0) for r in rs) / max(steps, 1),
@@ -379,6 +410,7 @@ def run(args, plan: dict) -> dict:
                                  # the radix cache, and the selection was this run's own
                                  "cached_tokens": out["meta_info"].get("cached_tokens"),
                                  "bootstrap_reused": info.get("bootstrap_reused", 0)})
+                    rows[-1]["read"] = read_fraction(rows[-1])
                 bar.update(len(runs))
                 save()
         bar.close()
@@ -421,12 +453,13 @@ def _ci(ci, fmt: str) -> str:
 def summarise(result: dict) -> str:
     rows = result["rows"]
     summ = result.get("summary") or summary(rows)
-    lines = ["| method | retention | context | texts | scored steps | slow-step rate | top-1 agreement [95% CI] |"
-             " mean KL (nat) [95% CI] |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | retention | context | texts | scored steps | slow-step rate | reads vs dense |"
+             " top-1 agreement [95% CI] | mean KL (nat) [95% CI] |", "|---|---|---|---|---|---|---|---|---|"]
     for g in summ["teacher_forced"]:
-        rate = g.get("slow_rate")
+        rate, read = g.get("slow_rate"), g.get("read")
         lines.append(f"| {g['method']} | {g['retention']:.0%} | {g['context']} | {g['texts']} | {g['steps']} |"
                      f" {'' if rate is None else f'1/{1 / rate:.0f}' if rate else '0'} |"
+                     f" {'' if read is None else f'{read:.1%}'} |"
                      f" {g['top1_agreement']:.1%}{_ci(g['top1_ci'] and [100 * x for x in g['top1_ci']], '{:.1f}')} |"
                      f" {g['mean_kl']:.4f}{_ci(g['kl_ci'], '{:.4f}')} |")
     if summ["teacher_forced"]:

@@ -121,3 +121,18 @@ def test_text_windows_distinct_and_skipped():
     assert len(skipped) == 1 and skipped[0].startswith("c: 100 tokens, too short")
     with pytest.raises(TextError, match="only 4 non-overlapping windows"):
         windows(sources, 1000, 5)
+
+
+def test_read_fraction_counts_each_methods_reads():
+    from sfi_sglang.eval import read_fraction
+
+    base = {"context": 8192, "steps": 63, "sinks": 4, "window": 256, "budget": 968}
+    assert read_fraction({**base, "method": "streaming"}) == pytest.approx(1228 / 8192)
+    # whole pages of 16 (960 of 968) and one token's K and V per page of summaries
+    assert read_fraction({**base, "method": "quest"}) == pytest.approx((4 + 256 + 960 + 512) / 8192)
+    fast = 4 + 968 + 256 + 63 / 6  # two slow steps: three stretches, the window grows ~10.5
+    assert read_fraction({**base, "method": "sfi", "slow_steps": 2}) == pytest.approx(
+        (61 * fast + 2 * 8192) / (63 * 8192))
+    topup = {**base, "method": "sfi-topup", "budget": 728, "topup_pages": 15, "slow_steps": 0}
+    assert read_fraction(topup) == pytest.approx((4 + 728 + 256 + 63 / 2 + 240 + 512) / 8192)
+    assert read_fraction({**base, "enabled": False}) == 1.0
