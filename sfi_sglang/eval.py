@@ -8,7 +8,8 @@ bootstrap selection as a whole prompt's prefill would, and costs only its decode
       is forced token by token (a custom logit processor) while each decode step's
       distribution is compared with the dense one at the same step: top-1 agreement and
       mean KL(dense || method);
-  (b) passkey retrieval at several depths;
+  (b) passkey retrieval at several depths, and key-value retrieval (several keys, one
+      asked; exact match of its value);
   (c) greedy generation: how many tokens match dense before the first difference.
 Methods (SFI, its ablations, StreamingLLM, SnapKV, Quest) are per-request options of the
 `sfi` backend at the same token budget S + W + K = retention x context length.
@@ -38,6 +39,7 @@ import argparse
 import json
 import math
 import random
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,7 @@ import torch
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
 from sfi_sglang.method.config import SFIConfig
+from sfi_sglang.texts import passkey_prompt, retrieval_case, retrieval_prompt
 
 # ---------------------------------------------------------------- in the scheduler process
 _REFERENCE: dict[str, dict[int, torch.Tensor]] = {}  # key -> step -> dense log-probs
@@ -273,7 +276,7 @@ def wilson(found: int, total: int, z: float = Z975) -> tuple[float, float]:
 
 
 INTERVALS = {"teacher_forced": "95% Student t-interval over per-text means (text = unit)",
-             "passkey": "95% Wilson score interval"}
+             "passkey": "95% Wilson score interval", "retrieval": "95% Wilson score interval"}
 
 
 def summary(rows: list[dict]) -> dict:
@@ -296,30 +299,22 @@ def summary(rows: list[dict]) -> dict:
                    "slow_rate": sum(r.get("slow_steps", 0) for r in rs) / max(steps, 1),
                    "top1_agreement": a, "top1_ci": [a_lo, a_hi] if a_lo is not None else None,
                    "mean_kl": k, "kl_ci": [k_lo, k_hi] if k_lo is not None else None})
-    pk_groups: dict[tuple, list] = {}
+    return {"intervals": INTERVALS, "teacher_forced": tf, "passkey": _found(rows, "passkey"),
+            "retrieval": _found(rows, "retrieval")}
+
+
+def _found(rows: list[dict], kind: str) -> list[dict]:
+    """found/total with its Wilson interval per (method, context, depth) of one kind of rows."""
+    groups: dict[tuple, list] = {}
     for r in rows:
-        if r["kind"] == "passkey":
-            pk_groups.setdefault((r["method"], r["context"], r["depth"]), []).append(r)
-    pk = []
-    for (m, ctx, d), rs in sorted(pk_groups.items(), key=lambda x: (x[0][1], x[0][0], x[0][2])):
+        if r["kind"] == kind:
+            groups.setdefault((r["method"], r["context"], r.get("depth")), []).append(r)
+    out = []
+    for (m, ctx, d), rs in sorted(groups.items(), key=lambda x: (x[0][1], x[0][0], x[0][2] or 0)):
         found = sum(bool(r["found"]) for r in rs)
-        pk.append({"method": m, "context": ctx, "depth": d, "found": found, "total": len(rs),
-                   "ci": list(wilson(found, len(rs)))})
-    return {"intervals": INTERVALS, "teacher_forced": tf, "passkey": pk}
-
-
-def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> str:
-    from sfi_sglang.texts import essays
-
-    filler_ids = tokenizer.encode("\n\n".join(essays().values()), add_special_tokens=False)
-    head = ("There is a pass key hidden inside a lot of irrelevant text. Find it and "
-            "memorize it. I will quiz you about the pass key.\n\n")
-    needle = f"\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
-    tail = "\n\nWhat is the pass key? The pass key is"
-    room = n_tokens - len(tokenizer.encode(head + needle + tail))
-    cut = int(room * depth)
-    return (head + tokenizer.decode(filler_ids[:cut]) + needle
-            + tokenizer.decode(filler_ids[cut:room]) + tail)
+        out.append({"method": m, "context": ctx, "depth": d, "found": found, "total": len(rs),
+                    "ci": list(wilson(found, len(rs)))})
+    return out
 
 
 def shared_prefill(engine, prompt: list[int], params: list[dict], force=None) -> list[dict]:
@@ -430,6 +425,19 @@ def run(args, plan: dict) -> dict:
                              "retention": args.ablation_retention,
                              "found": str(key) in out["text"], "text": out["text"]})
             save()
+        lengths = [int(x) for x in args.retrieval_contexts.split(",")] if args.retrieval_contexts else []
+        cases = [(n, retrieval_case(rng, args.retrieval_keys)) for n in lengths for _ in range(args.retrieval_prompts)]
+        for n, (pairs, ask) in tqdm(cases, desc="retrieval", unit="prompt"):
+            ids = tok.encode(retrieval_prompt(tok, n, pairs, ask))
+            outs = shared_prefill(engine, ids, [{"temperature": 0, "max_new_tokens": 12, "custom_params": {
+                "sfi": sfi_params(args.ablation_retention, n, m)}} for m in pk_methods])
+            for m, out in zip(pk_methods, outs):
+                got = re.search(r"\d+", out["text"])
+                rows.append({"kind": "retrieval", "context": n, "method": m, "keys": len(pairs),
+                             "key": pairs[ask][0], "value": pairs[ask][1],
+                             "retention": args.ablation_retention,
+                             "found": got is not None and got.group() == pairs[ask][1], "text": out["text"]})
+            save()
         for n in contexts[:1] if args.greedy else []:
             greedy = ["dense"] + methods
             outs = shared_prefill(engine, plan[n][0][2][:n], [{
@@ -469,6 +477,13 @@ def summarise(result: dict) -> str:
         lines += [f"| {g['method']} | {g['context']} | {g['depth']} | {g['found']}/{g['total']} |"
                   f" [{g['ci'][0]:.0%}, {g['ci'][1]:.0%}] |" for g in summ["passkey"]]
         lines += ["", f"Intervals: {INTERVALS['passkey']}."]
+    if summ.get("retrieval"):
+        keys = next(r["keys"] for r in rows if r["kind"] == "retrieval")
+        lines += ["", f"| method | context | key-value retrieval, exact match ({keys} keys per prompt) | 95% CI |",
+                  "|---|---|---|---|"]
+        lines += [f"| {g['method']} | {g['context']} | {g['found']}/{g['total']} |"
+                  f" [{g['ci'][0]:.0%}, {g['ci'][1]:.0%}] |" for g in summ["retrieval"]]
+        lines += ["", f"Intervals: {INTERVALS['retrieval']}."]
     gr = [r for r in rows if r["kind"] == "greedy"]
     if gr:
         lines += ["", "| method | greedy tokens equal to dense |", "|---|---|"]
@@ -551,7 +566,11 @@ def add_cli(sub) -> None:
     p.add_argument("--passkey-contexts", default="2048,4096")
     p.add_argument("--passkey-keys", type=int, default=10, help="passkey prompts (keys) per depth")
     p.add_argument("--passkey-methods", default=",".join(["dense"] + BASELINES),
-                   help="methods run on the passkey prompts ('dense' included)")
+                   help="methods run on the passkey and retrieval prompts ('dense' included)")
+    p.add_argument("--retrieval-contexts", default="",
+                   help="contexts of the key-value retrieval task (multi-key needles in the essays)")
+    p.add_argument("--retrieval-prompts", type=int, default=10, help="retrieval prompts per context")
+    p.add_argument("--retrieval-keys", type=int, default=8, help="key-value pairs per retrieval prompt")
     p.add_argument("--append", action="store_true",
                    help="add this run's rows to those of an existing --out JSON (one table from several runs)")
     p.add_argument("--no-greedy", dest="greedy", action="store_false",
@@ -571,8 +590,10 @@ def main(argv) -> int:
            if m not in METHODS and m != "dense"]
     if bad:
         parser.error(f"--methods: unknown {bad}; choose from {', '.join(METHODS)}")
-    if args.texts < 1 or args.first_text < 0 or args.steps < 2 or args.passkey_keys < 1:
-        parser.error("--texts, --steps (>= 2) and --passkey-keys must be positive, --first-text >= 0")
+    if (args.texts < 1 or args.first_text < 0 or args.steps < 2 or args.passkey_keys < 1
+            or args.retrieval_prompts < 1 or args.retrieval_keys < 1):
+        parser.error("--texts, --steps (>= 2), --passkey-keys, --retrieval-prompts and --retrieval-keys"
+                     " must be positive, --first-text >= 0")
     from transformers import AutoTokenizer
 
     from sfi_sglang.model import resolve_model_path

@@ -76,3 +76,43 @@ BUILTIN_SOURCES = {"essays": essays, "python-docs": python_docs, "licenses": lic
 def source_text(name: str) -> str:
     """One built-in source (a key of BUILTIN_SOURCES) as one text, its parts in name order."""
     return "\n\n".join(BUILTIN_SOURCES[name]().values())
+
+
+# ---------------------------------------------------------------- retrieval prompts
+def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> str:
+    """About n_tokens tokens of essays with a pass key at `depth` (0..1), asking for it."""
+    filler_ids = tokenizer.encode("\n\n".join(essays().values()), add_special_tokens=False)
+    head = ("There is a pass key hidden inside a lot of irrelevant text. Find it and "
+            "memorize it. I will quiz you about the pass key.\n\n")
+    needle = f"\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
+    tail = "\n\nWhat is the pass key? The pass key is"
+    room = n_tokens - len(tokenizer.encode(head + needle + tail))
+    cut = int(room * depth)
+    return (head + tokenizer.decode(filler_ids[:cut]) + needle
+            + tokenizer.decode(filler_ids[cut:room]) + tail)
+
+
+def retrieval_case(rng, keys: int) -> tuple[list[tuple[str, str]], int]:
+    """`keys` (key, value) pairs, the keys distinct topic names of the Python docs, the
+    values 7-digit numbers, and the index of the pair to ask for."""
+    names = rng.sample(sorted(python_docs()), keys)
+    return [(k, str(rng.randrange(10**6, 10**7))) for k in names], rng.randrange(keys)
+
+
+def retrieval_prompt(tokenizer, n_tokens: int, pairs: list[tuple[str, str]], ask: int) -> str:
+    """Multi-key retrieval (RULER's multi-key needle in a haystack): about n_tokens tokens of
+    essays with one line per pair, spread evenly over the depth, asking for pairs[ask]'s
+    value; the answer is scored by exact match."""
+    filler_ids = tokenizer.encode("\n\n".join(essays().values()), add_special_tokens=False)
+    head = ("Some key-value pairs are hidden inside a lot of irrelevant text. Find them and "
+            "memorize them. I will quiz you about one of them.\n\n")
+    needles = [f'\n\nThe value of key "{k}" is {v}.\n\n' for k, v in pairs]
+    key = pairs[ask][0]
+    tail = f'\n\nWhat is the value of key "{key}"? The value of key "{key}" is'
+    room = n_tokens - len(tokenizer.encode(head + "".join(needles) + tail))
+    cuts = [room * (i + 1) // (len(pairs) + 1) for i in range(len(pairs))] + [room]
+    text, prev = head, 0
+    for cut, needle in zip(cuts, needles + [tail]):
+        text += tokenizer.decode(filler_ids[prev:cut]) + needle
+        prev = cut
+    return text

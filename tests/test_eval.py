@@ -25,6 +25,8 @@ def test_eval_quality_smoke(tmp_path):
                         "--ablation-retention", "0.25", "--methods", "sfi,streaming,sfi-adaptive,sfi-topup", "--texts", "2",
                         "--text-file", str(doc), "--builtin-texts", "licenses",
                         "--steps", "6", "--passkey-contexts", "", "--mem-fraction-static", "0.08",
+                        "--retrieval-contexts", "512", "--retrieval-prompts", "1", "--retrieval-keys", "2",
+                        "--passkey-methods", "dense,sfi",
                         "--out", str(out)], capture_output=True, text=True, timeout=1200,
                        env=product_env())
     assert r.returncode == 0, r.stderr[-3000:]
@@ -50,7 +52,11 @@ def test_eval_quality_smoke(tmp_path):
     for g in groups.values():  # two texts: an interval around the mean
         assert g["texts"] == 2 and g["top1_ci"][0] <= g["top1_agreement"] <= g["top1_ci"][1]
         assert 0.0 <= g["kl_ci"][0] <= g["mean_kl"] <= g["kl_ci"][1]
+    rt = [row for row in result["rows"] if row["kind"] == "retrieval"]
+    assert sorted(row["method"] for row in rt) == ["dense", "sfi"] and all(row["keys"] == 2 for row in rt)
+    assert [(g["method"], g["total"]) for g in result["summary"]["retrieval"]] == [("dense", 1), ("sfi", 1)]
     md = out.with_suffix(".md").read_text()
+    assert "key-value retrieval, exact match (2 keys per prompt)" in md
     assert "| sfi |" in md and "95% CI" in md and "t-interval" in md and "slow-step rate" in md
     assert not out.with_suffix(".png").exists()  # one retention: no curves to draw
     assert out.with_name(out.name + "_rate.png").stat().st_size > 1000  # KL against slow-step rate
@@ -136,3 +142,17 @@ def test_read_fraction_counts_each_methods_reads():
     topup = {**base, "method": "sfi-topup", "budget": 728, "topup_pages": 15, "slow_steps": 0}
     assert read_fraction(topup) == pytest.approx((4 + 728 + 256 + 63 / 2 + 240 + 512) / 8192)
     assert read_fraction({**base, "enabled": False}) == 1.0
+
+
+def test_retrieval_prompt_holds_every_pair_and_asks_one(tokenizer):
+    import random
+
+    from sfi_sglang.texts import retrieval_case, retrieval_prompt
+
+    pairs, ask = retrieval_case(random.Random(1), 6)
+    assert len({k for k, _ in pairs}) == 6 and all(len(v) == 7 and v.isdigit() for _, v in pairs)
+    text = retrieval_prompt(tokenizer, 2000, pairs, ask)
+    assert abs(len(tokenizer.encode(text)) - 2000) <= 20
+    places = [text.index(f'The value of key "{k}" is {v}.') for k, v in pairs]
+    assert places == sorted(places) and places[0] > 200  # spread over the text, in order
+    assert text.endswith(f'What is the value of key "{pairs[ask][0]}"? The value of key "{pairs[ask][0]}" is')
