@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from sfi_sglang.eval import mean_ci, summary
+from sfi_sglang.eval_stats import mean_ci, summary
 
 
 def main() -> None:

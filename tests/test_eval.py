@@ -92,7 +92,7 @@ def test_eval_rejects_short_text_file(tmp_path, capsys):
 
 
 def test_intervals_known_cases():
-    from sfi_sglang.eval import mean_ci, summary, t975, wilson
+    from sfi_sglang.eval_stats import mean_ci, summary, t975, wilson
 
     mean, lo, hi = mean_ci([1.0, 2.0, 3.0, 4.0, 5.0])  # sd sqrt(2.5), t(0.975, 4) = 2.7764
     assert mean == 3.0 and lo == pytest.approx(1.0368, abs=1e-3) and hi == pytest.approx(4.9632, abs=1e-3)
@@ -130,7 +130,7 @@ def test_text_windows_distinct_and_skipped():
 
 
 def test_read_fraction_counts_each_methods_reads():
-    from sfi_sglang.eval import read_fraction
+    from sfi_sglang.eval_stats import read_fraction
 
     base = {"context": 8192, "steps": 63, "sinks": 4, "window": 256, "budget": 968}
     assert read_fraction({**base, "method": "streaming"}) == pytest.approx(1228 / 8192)
