@@ -127,6 +127,8 @@ METHODS = {
     # this share of K read as top-up pages, the rest held
     "sfi-topup": Method("sfi-topup", {"topup_share": 0.25}),
     "sfi-topup-half": Method("sfi-topup-half", {"topup_share": 0.5}),
+    # the top-up chosen at every 8th sparse layer and reused by the next 7 (TidalDecode's idea)
+    "sfi-topup-reused": Method("sfi-topup-reused", {"topup_share": 0.25, "topup_every": 8}),
     "streaming": Method("streaming", {"method": "streaming"}),
     "snapkv": Method("snapkv", {"method": "snapkv"}),
     "quest": Method("quest", {"method": "quest"}),

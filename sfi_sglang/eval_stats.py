@@ -28,7 +28,8 @@ def read_fraction(row: dict) -> float:
       sfi                fast steps S + K + W + d (the window grows d tokens after each
                          selection; slow steps spread evenly, so d averages steps / (2
                          (slow + 1))), slow steps n; with the top-up also P pages and the
-                         n / page summaries on fast steps
+                         n / page summaries on fast steps (at 1/topup_every of the layers,
+                         counted as an average over them)
     The dense layers read n in every method alike; the slow step's score writes (3% of
     its reads) are left out."""
     n, steps = row["context"], max(row["steps"], 1)
@@ -43,7 +44,7 @@ def read_fraction(row: dict) -> float:
     slow = min(row.get("slow_steps", 0), steps)
     fast = s + k + w + steps / (2 * (slow + 1))
     if row.get("topup_pages"):
-        fast += row["topup_pages"] * page + n / page
+        fast += row["topup_pages"] * page + n / page / row.get("topup_every", 1)
     return ((steps - slow) * fast + slow * n) / (steps * n)
 
 

@@ -141,6 +141,7 @@ def test_read_fraction_counts_each_methods_reads():
         (61 * fast + 2 * 8192) / (63 * 8192))
     topup = {**base, "method": "sfi-topup", "budget": 728, "topup_pages": 15, "slow_steps": 0}
     assert read_fraction(topup) == pytest.approx((4 + 728 + 256 + 63 / 2 + 240 + 512) / 8192)
+    assert read_fraction({**topup, "topup_every": 8}) == pytest.approx((4 + 728 + 256 + 63 / 2 + 240 + 64) / 8192)
     assert read_fraction({**base, "enabled": False}) == 1.0
 
 

@@ -220,6 +220,32 @@ def test_topup_pages_are_the_best_pages_not_held():
     assert (topup_positions(q, keys, every, lo, hi, pages, page) == -1).all()
 
 
+def test_topup_every_n_layers_reuses_the_groups_pages():
+    """--sfi-topup-every 2 over sparse layers 1..5 (layer 0 dense): pages chosen at 1, 3 and
+    5, reused at 2 and 4 within a step; a new step chooses again."""
+    from sfi_sglang.method.baselines import HostPath, topup_positions
+
+    Hkv, G, D = 2, 2, 16
+    cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=(0,), topup_pages=2, page_size=8,
+                    topup_every=2)
+    st, gen = make_pool([120], Hkv, G, D, seed=7)
+    mem = SparseMemory(6, range(6), 8, Hkv, D, cfg, DEV, torch.float32, packed=False)
+    pos, cnt, ws = selection(cfg, [120], Hkv, gen, k=16)
+    for lid in range(1, 6):
+        mem.store(lid, st["rpi"], pos, cnt, ws, st["k"], st["v"], st["rtt"])
+    host = HostPath(mem, None, None, None, None)
+    slot, tokens = int(st["rpi"][0]), st["rtt"][int(st["rpi"][0])]
+    qs = torch.randn(6, Hkv * G, D, generator=gen)
+    got = {lid: host.topup(lid, slot, 5, qs[lid], st["k"], tokens, cfg) for lid in range(1, 6)}
+    held, hi = mem.held(1, slot)
+    for lid in (1, 3, 5):  # chosen with the layer's own query
+        keys = st["k"][tokens[:hi].long()]
+        want = topup_positions(qs[lid].view(Hkv, G, D), keys, held, 4, hi, 2, 8)
+        assert torch.equal(got[lid][0], want)
+    assert got[2] is got[1] and got[4] is got[3]
+    assert host.topup(2, slot, 6, qs[2], st["k"], tokens, cfg) is not got[1]  # a new step
+
+
 def test_reference_fast_step_with_extra_positions():
     """attend_fast(extra=...) == float64 attention over the memory's positions and the extra
     ones (deduplicated; -1 and positions past a row's context read nothing)."""

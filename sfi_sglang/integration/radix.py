@@ -74,7 +74,8 @@ class NodeMemory:
 # options a selection does not depend on: when slow steps happen, the window (`fits` checks
 # it against hi) and the fast kernel
 _NOT_SELECTION = frozenset({"window", "min_gap", "cooldown", "max_interval", "refresh",
-                            "adaptive_threshold", "boundaries", "fast_path", "topup_pages"})
+                            "adaptive_threshold", "boundaries", "fast_path", "topup_pages",
+                            "topup_every"})
 
 
 def compat_key(cfg: SFIConfig) -> tuple:

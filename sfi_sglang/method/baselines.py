@@ -113,6 +113,7 @@ class HostPath:
 
     def __init__(self, memory, policy, step, selection, monitor):
         self.memory, self.policy, self.step = memory, policy, step
+        self._topup: dict[int, tuple] = {}  # slot -> (decode step, its last top-up pages)
         self.selection, self.monitor = selection, monitor
 
     def decode(self, lid, o, q, kc, vc, r2t, forward_batch, scale, host_rows) -> None:
@@ -129,7 +130,8 @@ class HostPath:
                 continue
             sl = forward_batch.seq_lens[i:i + 1]
             if not self.is_slow(slot, req):
-                extra = self.topup(lid, slot, q[i], kc, r2t[slot], cfg) if cfg.topup_pages else None
+                extra = (self.topup(lid, slot, req.host_step, q[i], kc, r2t[slot], cfg)
+                         if cfg.topup_pages else None)
                 o[i] = mem.attend_fast(lid, q[i:i + 1], kc, vc, r2t, rpi, sl, scale,
                                        lse_out=self.monitor.out(lid, i + 1, i), extra=extra)[0]
                 continue
@@ -137,15 +139,21 @@ class HostPath:
             self.selection.layer(lid, rpi, torch.ones(1, dtype=torch.bool, device=scores.device), scores,
                                  sl.to(torch.int64), cfg=cfg)
 
-    def topup(self, lid: int, slot: int, q, k_cache, tokens, cfg) -> torch.Tensor:
-        """The top-up pages [1, H_kv, E] of slot's fast step at layer lid (topup_positions
-        between the sinks and its window's start)."""
-        mem = self.memory
+    def topup(self, lid: int, slot: int, step: int, q, k_cache, tokens, cfg) -> torch.Tensor:
+        """The top-up pages [1, H_kv, E] of slot's fast step `step` at layer lid
+        (topup_positions between the sinks and its window's start), chosen at the first
+        sparse layer of each group of cfg.topup_every and reused by the group's others."""
+        sparse = [i for i in sorted(self.memory.layer_index) if i not in cfg.dense_layers]
+        last = self._topup.get(slot)
+        if sparse.index(lid) % cfg.topup_every and last is not None and last[0] == step:
+            return last[1]  # the group's pages
         hkv = k_cache.shape[1]
-        held, hi = mem.held(lid, slot)
+        held, hi = self.memory.held(lid, slot)
         keys = k_cache[tokens[:hi].long()]
-        return topup_positions(q.reshape(hkv, -1, q.shape[-1]), keys, held, cfg.sinks, hi,
-                               cfg.topup_pages, cfg.page_size)[None]
+        pos = topup_positions(q.reshape(hkv, -1, q.shape[-1]), keys, held, cfg.sinks, hi,
+                              cfg.topup_pages, cfg.page_size)[None]
+        self._topup[slot] = (step, pos)
+        return pos
 
     def is_slow(self, slot: int, req) -> bool:
         """Whether a host-path request's step is slow (decided once per step, at its first

@@ -98,6 +98,9 @@ class SFIConfig:
     # highest query-aware bound, Quest's, from the page's per-channel min/max keys; 0 = off.
     # The torch reference only (eager decode steps): docs/method.md
     topup_pages: int = 0
+    # the top-up's pages are chosen at every topup_every-th sparse layer (the first of each
+    # group) and reused by the group's other layers (positions are positions): 1 = each layer
+    topup_every: int = 1
     # ablation switches
     use_prior: bool = True
     use_nms: bool = False                # the spec's soft-NMS: off by default (docs/method.md)
@@ -137,7 +140,7 @@ class SFIConfig:
         def is_num(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-        for name in ("window", "budget", "min_gap", "max_interval", "bootstrap_rows"):
+        for name in ("window", "budget", "min_gap", "max_interval", "bootstrap_rows", "topup_every"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 bad(name, "a positive integer")
