@@ -334,12 +334,12 @@ class SparseMemory:
                     if lse_out is not None:
                         lse_out[rows] = sub_lse
                 return out
-            if logits_out is None:
+            if logits_out is None:  # a fast step's memory: gather its positions, not all n
+                # (always this path, so a row's result does not depend on its batch: its
+                # positions in order, then padding read as nothing)
                 counts = allowed.sum(-1)  # [b, H_kv]
-                width = int(counts.max())
-                if 2 * width <= n:  # a fast step's memory: gather its positions, not all n
-                    return self._attend_listed_ref(q, k_cache, v_cache, req_to_token, rpi, allowed, counts,
-                                                   width, sm_scale, out, lse_out)
+                return self._attend_listed_ref(q, k_cache, v_cache, req_to_token, rpi, allowed, counts,
+                                               int(counts.max()), sm_scale, out, lse_out)
         h = self.num_kv_heads
         tok = req_to_token[rpi, :n].long()                                       # [b, n]
         tok = torch.where(allowed.any(1), tok, 0)  # past a row's context: any valid KV slot
