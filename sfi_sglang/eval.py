@@ -273,9 +273,10 @@ def run(args, plan: dict) -> dict:
                 def params(sfi: dict, role: str) -> dict:
                     return {**common, "custom_params": {"sfi": sfi, "sfi_eval": {
                         "key": f"{n}-{t}", "role": role, "tokens": cont}}}
+                opts = [sfi_params(r, n, m) for r, m in runs]
                 outs = shared_prefill(engine, prompt, [params({"enabled": False}, "reference")]
-                                      + [params(sfi_params(r, n, m), "test") for r, m in runs], force)
-                for (r, m), out in zip(runs, outs[1:]):
+                                      + [params(o, "test") for o in opts], force)
+                for (r, m), opt, out in zip(runs, opts, outs[1:]):
                     info = out["meta_info"]["sfi"]
                     ev = info.get("eval") or {}
                     steps = max(ev.get("steps", 0), 1)
@@ -283,7 +284,7 @@ def run(args, plan: dict) -> dict:
                         print(f"context {n}, text {t}, {m} at {r:.0%}: {ev.get('steps', 0)} of"
                               f" {len(cont) - 1} steps scored", file=sys.stderr)
                     rows.append({"kind": "teacher_forced", "context": n, "source": src, "text": t, "start": start,
-                                 "retention": r, "method": m, **sfi_params(r, n, m),
+                                 "retention": r, "method": m, **opt,
                                  "top1_agreement": ev.get("agree", 0) / steps,
                                  "mean_kl": ev.get("kl", 0.0) / steps, "steps": ev.get("steps", 0),
                                  "slow_steps": info["slow_steps"],

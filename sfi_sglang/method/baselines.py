@@ -143,7 +143,7 @@ class HostPath:
         """The top-up pages [1, H_kv, E] of slot's fast step `step` at layer lid
         (topup_positions between the sinks and its window's start), chosen at the first
         sparse layer of each group of cfg.topup_every and reused by the group's others."""
-        sparse = [i for i in sorted(self.memory.layer_index) if i not in cfg.dense_layers]
+        sparse = cfg.sparse_layers(self.memory.num_layers)
         last = self._topup.get(slot)
         if sparse.index(lid) % cfg.topup_every and last is not None and last[0] == step:
             return last[1]  # the group's pages
