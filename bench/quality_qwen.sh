@@ -10,7 +10,9 @@
 # shared_prefill): ~5 minutes per 8K text on 2 cores.
 #   bash bench/quality_qwen.sh                        # 8K: ~40 min code, ~40 min prose, ~40 min passkey
 #   CONTEXTS=16384 RUNS="code prose" bash bench/quality_qwen.sh
-# Writes bench/results/quality_qwen_<context>_{code,prose,passkey}.{json,md,log} (+ _rate.png).
+#   METHODS=quest,sfi-lines,sfi-lines-topup EVERY=1 SUFFIX=_hybrid RUNS="code prose" bash bench/quality_qwen.sh
+# (EVERY=1: every method at both retentions, not only the baselines.)
+# Writes bench/results/quality_qwen_<context>_{code,prose,passkey}<SUFFIX>.{json,md,log} (+ _rate.png).
 set -uo pipefail
 PY=${PYTHON:-.venv/bin/python}
 CONTEXTS=${CONTEXTS:-8192}
@@ -18,11 +20,12 @@ OUTDIR=${OUTDIR:-bench/results}
 tag=quality_qwen_${CONTEXTS//,/_}
 common=(--model-path qwen2.5-coder-0.5b --contexts "$CONTEXTS" --retention 0.15,0.1 --ablation-retention 0.15
         --texts "${TEXTS:-8}" --steps 64 --no-greedy
-        --methods "${METHODS:-sfi,sfi-lines,sfi-topup,sfi-topup-reused,quest,snapkv,streaming}")
+        --methods "${METHODS:-sfi,sfi-lines,sfi-topup,sfi-topup-reused,quest,snapkv,streaming}"
+        ${EVERY:+--every-retention})
 run() {  # name, then eval options; progress bars stay on the terminal, the rest goes to the log
   local name=$1; shift
-  $PY -m sfi_sglang.cli eval quality "${common[@]}" "$@" --out "$OUTDIR/${tag}_$name" \
-    2> >(tee >(tr '\r' '\n' | grep -v '%|' > "$OUTDIR/${tag}_$name.log") >&2)
+  $PY -m sfi_sglang.cli eval quality "${common[@]}" "$@" --out "$OUTDIR/${tag}_$name${SUFFIX:-}" \
+    2> >(tee >(tr '\r' '\n' | grep -v '%|' > "$OUTDIR/${tag}_$name${SUFFIX:-}.log") >&2)
 }
 for r in ${RUNS:-code prose passkey}; do
   case $r in

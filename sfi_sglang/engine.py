@@ -102,12 +102,12 @@ def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict
         # SFI keeps SGLang's CUDA graphs and overlap scheduler (its decode step is device
         # work: sfi_sglang.method.step). Without graphs, per-request options that the device step
         # cannot serve are allowed too (sfi_sglang.method.options.on_device_path).
-        from sfi_sglang.method.options import EAGER_ENV
+        from sfi_sglang.method.options import EAGER_ENV, reference_only
 
         os.environ[EAGER_ENV] = "1" if out.get("disable_cuda_graph") else "0"
-        if cfg.topup_pages and not out.get("disable_cuda_graph"):
-            raise ValueError("--sfi-topup-pages runs in the torch reference (eager decode steps): "
-                             "it needs --disable-cuda-graph (or --sfi-topup-pages 0)")
+        if reference_only(cfg) and not out.get("disable_cuda_graph"):
+            raise ValueError(f"{', '.join(reference_only(cfg))}: runs only in the torch reference "
+                             "(eager decode steps); add --disable-cuda-graph, or leave it at its default")
         if cfg.fast_path == "flashinfer" and has_gpu() and not out.get("disable_cuda_graph"):
             raise ValueError("--sfi-fast-path flashinfer plans each step on the host: it needs "
                              "--disable-cuda-graph (or keep the default --sfi-fast-path triton)")

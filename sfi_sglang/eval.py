@@ -126,7 +126,10 @@ METHODS = {
     # the held memory plus a per-step top-up (Quest's page bound) at the same token budget:
     # this share of K read as top-up pages, the rest held
     "sfi-topup": Method("sfi-topup", {"topup_share": 0.25}),
-    "sfi-topup-half": Method("sfi-topup-half", {"topup_share": 0.5}),
+    "sfi-lines-topup": Method("sfi-lines-topup", {"extra_boundaries": "line", "topup_share": 0.25}),
+    # selection rounded to whole pages of 16 tokens (what a fast path reading pool pages
+    # would hold), the budget still counted in tokens
+    "sfi-lines-pages": Method("sfi-lines-pages", {"extra_boundaries": "line", "selection_page": 16}),
     # the top-up chosen at every 8th sparse layer and reused by the next 7 (TidalDecode's idea)
     "sfi-topup-reused": Method("sfi-topup-reused", {"topup_share": 0.25, "topup_every": 8}),
     "streaming": Method("streaming", {"method": "streaming"}),
@@ -263,7 +266,8 @@ def run(args, plan: dict) -> dict:
     try:
         # (a) teacher-forced agreement and KL: per text, dense and every (retention, method) run
         # in one batch after one shared prefill
-        runs = [(r, m) for r in retentions for m in methods if r == args.ablation_retention or m in BASELINES]
+        runs = [(r, m) for r in retentions for m in methods if r == args.ablation_retention or m in BASELINES
+                or args.every_retention]
         bar = tqdm(total=len(runs) * args.texts * len(contexts), desc="teacher-forced", unit="run")
         for n in contexts:
             for t, (src, start, ids) in enumerate(plan[n][args.first_text:], start=args.first_text):
@@ -438,7 +442,11 @@ def add_cli(sub) -> None:
     p = sub
     p.add_argument("--contexts", default="2048,4096")
     p.add_argument("--retention", default="0.05,0.1,0.15,0.25")
-    p.add_argument("--ablation-retention", type=float, default=0.15)
+    p.add_argument("--ablation-retention", type=float, default=0.15,
+                   help="the retention of the methods that are not baselines (and of passkey,"
+                        " retrieval and greedy runs)")
+    p.add_argument("--every-retention", action="store_true",
+                   help="run every method at every --retention, not only the baselines")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--texts", type=int, default=2,
                    help="texts per context: distinct windows, round-robin over the sources")

@@ -104,16 +104,20 @@ def test_sfi_raises_the_triton_split_cap_unless_given(monkeypatch):
     assert key not in launch_kwargs(base, SFIConfig(), enabled=False)
 
 
-def test_topup_needs_eager_decode_steps(monkeypatch):
-    """The top-up runs in the torch reference (eager steps): a launch with CUDA graphs on
-    is refused with what to change; without graphs (the CPU's default) it launches."""
+def test_reference_only_options_need_eager_decode_steps(monkeypatch):
+    """The top-up and page-granular selection run in the torch reference (eager steps): a
+    launch with CUDA graphs on is refused, naming them and what to change; without graphs
+    (the CPU's default) it launches."""
     import os
 
     from sfi_sglang.engine import launch_kwargs
     from sfi_sglang.method.config import SFIConfig
 
     monkeypatch.setattr(os, "environ", os.environ.copy())
-    with pytest.raises(ValueError, match="--sfi-topup-pages .* needs --disable-cuda-graph"):
+    with pytest.raises(ValueError, match="--sfi-topup-pages: runs .* add --disable-cuda-graph"):
         launch_kwargs({"model_path": "m", "disable_cuda_graph": False}, SFIConfig(topup_pages=2), enabled=True)
+    with pytest.raises(ValueError, match="--sfi-topup-pages, --sfi-selection-page: runs .* add --disable"):
+        launch_kwargs({"model_path": "m", "disable_cuda_graph": False},
+                      SFIConfig(topup_pages=2, selection_page=16), enabled=True)
     assert launch_kwargs({"model_path": "m", "disable_cuda_graph": True}, SFIConfig(topup_pages=2),
                          enabled=True)["attention_backend"] == "sfi"

@@ -22,7 +22,8 @@ def test_eval_quality_smoke(tmp_path):
     doc = tmp_path / "doc.txt"
     doc.write_text("\n\n".join(list(essays().values())[:3])[:20000])
     r = subprocess.run([sfi_cli(), "eval", "quality", "--contexts", "512", "--retention", "0.25",
-                        "--ablation-retention", "0.25", "--methods", "sfi,streaming,sfi-adaptive,sfi-topup", "--texts", "2",
+                        "--ablation-retention", "0.25", "--texts", "2",
+                        "--methods", "sfi,streaming,sfi-adaptive,sfi-lines-topup,sfi-lines-pages",
                         "--text-file", str(doc), "--builtin-texts", "licenses",
                         "--steps", "6", "--passkey-contexts", "", "--mem-fraction-static", "0.08",
                         "--retrieval-contexts", "512", "--retrieval-prompts", "1", "--retrieval-keys", "2",
@@ -33,7 +34,7 @@ def test_eval_quality_smoke(tmp_path):
     result = json.loads(out.with_suffix(".json").read_text())
     tf = [row for row in result["rows"] if row["kind"] == "teacher_forced"]
     assert sorted((row["method"], row["source"]) for row in tf) == sorted(
-        (m, s) for m in ("sfi", "streaming", "sfi-adaptive", "sfi-topup") for s in (str(doc), "licenses"))
+        (m, s) for m in ("sfi", "streaming", "sfi-adaptive", "sfi-lines-topup", "sfi-lines-pages") for s in (str(doc), "licenses"))
     for row in tf:
         assert row["steps"] == 5  # decode steps 1..5 scored against dense
         # one prefill per text: each run extended only the rows its own selection reads
@@ -43,11 +44,12 @@ def test_eval_quality_smoke(tmp_path):
     # an adaptive method makes the engine adaptive; the others then keep the boundary trigger
     assert {row["refresh"] for row in tf if row["method"] == "sfi"} == {"boundary"}
     # the top-up at the same token budget: a quarter of K (92) as whole pages of 16, the rest held
-    assert {(row["budget"], row["topup_pages"]) for row in tf if row["method"] == "sfi-topup"} == {(76, 1)}
-    assert {row["method"] for row in result["rows"] if row["kind"] == "greedy"} == {"sfi", "streaming",
-                                                                                   "sfi-adaptive", "sfi-topup"}
+    assert {(row["budget"], row["topup_pages"]) for row in tf if row["method"] == "sfi-lines-topup"} == {(76, 1)}
+    assert {row["selection_page"] for row in tf if row["method"] == "sfi-lines-pages"} == {16}
+    assert {row["method"] for row in result["rows"] if row["kind"] == "greedy"} == {
+        "sfi", "streaming", "sfi-adaptive", "sfi-lines-topup", "sfi-lines-pages"}
     groups = {g["method"]: g for g in result["summary"]["teacher_forced"]}
-    assert set(groups) == {"sfi", "streaming", "sfi-adaptive", "sfi-topup"}
+    assert set(groups) == {"sfi", "streaming", "sfi-adaptive", "sfi-lines-topup", "sfi-lines-pages"}
     assert groups["streaming"]["slow_rate"] == 0 and groups["sfi"]["slow_rate"] >= 0
     for g in groups.values():  # two texts: an interval around the mean
         assert g["texts"] == 2 and g["top1_ci"][0] <= g["top1_agreement"] <= g["top1_ci"][1]

@@ -370,6 +370,30 @@ def test_top_k_positions_exact_and_padded():
     assert top_k_positions(score, cand, 60)[0, 0].tolist() == list(range(3, 45)) + [-1] * 18
 
 
+def test_top_k_pages_brute_force():
+    """page > 1: the k // page whole pages (aligned to position 0) with the highest
+    log-sum-exp of their candidates' scores, only their candidates, -1 padded to k;
+    brute-forced on random scores, with pages cut by the candidate range."""
+    g = torch.Generator().manual_seed(9)
+    B, H, N, k, page = 3, 2, 61, 20, 4
+    score = torch.randn(B, H, N, generator=g) * 3
+    lo, hi = torch.tensor([3, 10, 20]), torch.tensor([58, 15, 20])
+    pos = top_k_positions(score, candidate_mask(lo, hi, N), k, page)
+    assert pos.shape == (B, H, k)
+    for h in range(H):
+        cands = range(3, 58)
+        by_page = {}
+        for j in cands:
+            by_page.setdefault(j // page, []).append(j)
+        mass = {p: torch.logsumexp(score[0, h, js], 0).item() for p, js in by_page.items()}
+        best = sorted(mass, key=lambda p: -mass[p])[:k // page]
+        want = sorted(j for p in best for j in by_page[p])
+        assert pos[0, h].tolist() == want + [-1] * (k - len(want))
+    for h in range(H):  # [10, 15): page 2's 10, 11 and page 3's 12..14, both kept
+        assert pos[1, h].tolist() == [10, 11, 12, 13, 14] + [-1] * 15
+    assert (pos[2] == -1).all()
+
+
 @pytest.mark.parametrize("overrides", [
     {}, {"fusion": "geometric"}, {"alpha": 0.0}, {"use_prior": False},
     {"use_nms": True}, {"use_exclusivity": False}, {"use_nms": True, "nms_radius": 4},

@@ -70,9 +70,10 @@ def quest_positions(q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int, k: in
 def topup_positions(q: torch.Tensor, keys: torch.Tensor, held: torch.Tensor, lo: int, hi: int,
                     pages: int, page: int) -> torch.Tensor:
     """SFI's per-step top-up: the `pages` whole pages of [lo, hi) (hi: the window's start)
-    with the highest page_bounds among those the held selection held [H, K] (-1 padded)
-    does not wholly cover. Returns positions [H, <= pages * page], -1 padded where fewer
-    pages qualify; some may be held already (a page partly covered)."""
+    with the highest page_bounds among those holding none of the held selection held [H, K]
+    (-1 padded), so every position read is one the memory lacks (a page partly held is
+    where the Selector already looked). Returns positions [H, <= pages * page], -1 padded
+    where fewer pages qualify."""
     num_pages = (hi - lo) // page
     take = min(pages, num_pages)
     if take <= 0:
@@ -82,7 +83,7 @@ def topup_positions(q: torch.Tensor, keys: torch.Tensor, held: torch.Tensor, lo:
     inside = (held >= lo) & (held < lo + num_pages * page)
     covered = torch.zeros(score.shape[0], num_pages + 1, device=score.device)
     covered.scatter_add_(1, torch.where(inside, (held - lo) // page, num_pages), inside.float())
-    score = score.masked_fill(covered[:, :num_pages] >= page, float("-inf"))
+    score = score.masked_fill(covered[:, :num_pages] > 0, float("-inf"))
     top = score.topk(take, dim=-1)
     pos = page_positions(top.indices, lo, page)
     return pos.masked_fill(top.values.isinf().repeat_interleave(page, dim=1), -1)

@@ -94,13 +94,17 @@ class SFIConfig:
     method: str = "sfi"
     page_size: int = 16
     # the per-step top-up of SFI's fast steps: also attend to the topup_pages pages of
-    # page_size tokens (inside [sinks, window start), not wholly held already) with the
+    # page_size tokens (inside [sinks, window start), holding no held position) with the
     # highest query-aware bound, Quest's, from the page's per-channel min/max keys; 0 = off.
     # The torch reference only (eager decode steps): docs/method.md
     topup_pages: int = 0
     # the top-up's pages are chosen at every topup_every-th sparse layer (the first of each
     # group) and reused by the group's other layers (positions are positions): 1 = each layer
     topup_every: int = 1
+    # the Selector keeps whole pages of this many tokens (aligned to position 0, each scored
+    # by the log-sum-exp of its positions' scores; K // selection_page pages), as a fast
+    # path reading pool pages would; 1 = single tokens. The torch reference only
+    selection_page: int = 1
     # ablation switches
     use_prior: bool = True
     use_nms: bool = False                # the spec's soft-NMS: off by default (docs/method.md)
@@ -140,7 +144,8 @@ class SFIConfig:
         def is_num(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-        for name in ("window", "budget", "min_gap", "max_interval", "bootstrap_rows", "topup_every"):
+        for name in ("window", "budget", "min_gap", "max_interval", "bootstrap_rows", "topup_every",
+                     "selection_page"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 bad(name, "a positive integer")

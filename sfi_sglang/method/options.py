@@ -24,7 +24,7 @@ EXTRA_IDS_KEY = "sfi_extra_boundary_ids"
 # Per-request options that count tokens: at most the model's context length (a larger one
 # means nothing more; window or max_interval 10**12 overflowed the scheduler's int tensors).
 TOKEN_COUNT_OPTIONS = ("window", "min_gap", "cooldown", "max_interval", "bootstrap_rows",
-                       "page_size", "nms_radius", "pool_radius", "topup_pages")
+                       "page_size", "nms_radius", "pool_radius", "topup_pages", "selection_page")
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,14 @@ def on_device_path(cfg: SFIConfig, server: SFIConfig) -> bool:
     eagerly only."""
     same = all(getattr(cfg, f) == getattr(server, f) for f in SFIConfig.__dataclass_fields__
                if f not in DEVICE_OPTIONS)
-    # the top-up runs in the torch reference only (baselines.HostPath)
-    return same and set(server.dense_layers) <= set(cfg.dense_layers) and cfg.topup_pages == 0
+    return same and set(server.dense_layers) <= set(cfg.dense_layers) and not reference_only(cfg)
+
+
+def reference_only(cfg: SFIConfig) -> list[str]:
+    """The options of cfg that only the torch reference runs (baselines.HostPath, eager
+    decode steps), as flags: the top-up and page-granular selection."""
+    return [f"--sfi-{f.replace('_', '-')}" for f, off in (("topup_pages", 0), ("selection_page", 1))
+            if getattr(cfg, f) != off]
 
 
 def _json_type(value) -> str:

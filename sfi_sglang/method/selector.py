@@ -212,19 +212,37 @@ def select_scores(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tenso
     return pool_neighbours(s, cfg.pool_radius)
 
 
-def top_k_positions(score: torch.Tensor, cand_mask: torch.Tensor, k: int) -> torch.Tensor:
+def top_k_positions(score: torch.Tensor, cand_mask: torch.Tensor, k: int, page: int = 1) -> torch.Tensor:
     """Top-k candidate positions per (B, H) -> [B, H, k] int64, sorted ascending.
 
     Candidates always rank above non-candidates (a candidate whose score is -inf still
     beats a non-candidate), so when fewer than k candidates exist all of them are
-    returned first (sorted) and the rest is padded with -1 at the end.
+    returned first (sorted) and the rest is padded with -1 at the end. page > 1: whole
+    pages instead (top_k_pages).
     """
     b, h, n = score.shape
     cand = cand_mask[:, None, :].expand(b, h, n)
     lowest = torch.finfo(torch.float32).min
     key = torch.where(torch.isfinite(score), score.float(), torch.full_like(score, lowest, dtype=torch.float32))
     key = torch.where(cand, key, torch.full_like(key, NEG_INF))
-    return _top_k_from_key(key, k)
+    return top_k_pages(key, k, page) if page > 1 else _top_k_from_key(key, k)
+
+
+def top_k_pages(key: torch.Tensor, k: int, page: int) -> torch.Tensor:
+    """The k // page pages of `page` positions (page j: [j * page, (j + 1) * page)) with the
+    highest log-sum-exp of a ranking key [B, H, N] (-inf = never chosen) -> their chosen
+    positions [B, H, k] int64, sorted ascending, -1 padded at the end (a page at the edge
+    of the candidates gives only its candidates). The budget stays k tokens."""
+    b, h, n = key.shape
+    pk = F.pad(key, (0, (-n) % page), value=NEG_INF).view(b, h, -1, page)
+    ok = pk > NEG_INF
+    pages = _top_k_from_key(torch.logsumexp(pk, -1), max(1, k // page))  # [B, H, P]
+    pos = pages[..., None] * page + torch.arange(page, device=key.device)  # [B, H, P, page]
+    take = (pages[..., None] >= 0) & ok.gather(2, pages.clamp_min(0)[..., None].expand(-1, -1, -1, page))
+    big = torch.iinfo(torch.int64).max
+    pos = torch.where(take, pos, big).flatten(2).sort(-1).values[..., :k]
+    pos = torch.where(pos == big, -1, pos)
+    return F.pad(pos, (0, k - pos.shape[-1]), value=-1)
 
 
 def _top_k_from_key(key: torch.Tensor, k: int) -> torch.Tensor:
@@ -289,11 +307,11 @@ def select(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: 
         fused = logits.is_cuda and _fused_available()
     if fused:
         key = select_key_fused(logits, key_norms, lo, hi, n_rows, cfg, norm_tokens=norm_tokens)
-        return _top_k_from_key(key, k)
+        return top_k_pages(key, k, cfg.selection_page) if cfg.selection_page > 1 else _top_k_from_key(key, k)
     if norm_tokens is not None:
         key_norms = key_norms[norm_tokens.long()].permute(0, 2, 1)
     score = select_scores(logits, key_norms, lo, hi, n_rows, cfg)
-    return top_k_positions(score, candidate_mask(lo, hi, logits.shape[-1]), k)
+    return top_k_positions(score, candidate_mask(lo, hi, logits.shape[-1]), k, cfg.selection_page)
 
 
 # ------------------------------------------------------------------ fused GPU path
