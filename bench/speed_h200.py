@@ -19,6 +19,8 @@ Two parts, one process:
                     prefill on a missing cascade.cu, since packed)
      sfi            the `sfi` backend as shipped (its own split cap: sfi_sglang.engine)
      sfi-sN         the same with an explicit --triton-attention-num-kv-splits N
+     sfi-pool       the same with --sfi-fast-path triton-pool (sinks and selection read in
+                    place from the pool: no packed copy, so its pool holds more sequences)
 
 CONTEXTxmax: each engine at the largest batch its own KV pool holds. The engine captures
 decode graphs at 1, 8 and steps of an eighth of an upper bound on that batch (the
@@ -237,7 +239,9 @@ def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) 
     suffix = name.split("-", 1)[1] if "-" in name else ""
     if suffix == "best":
         suffix = f"s{caps['best']}"
-    if suffix == "flashinfer":
+    if name == "sfi-pool":  # the fast kernel reads the pool in place (no packed copy)
+        kw["sfi_fast_path"] = "triton-pool"
+    elif suffix == "flashinfer":
         kw["attention_backend"] = "flashinfer"
     elif suffix.startswith("s") and suffix[1:].isdigit():
         kw["triton_attention_num_kv_splits"] = int(suffix[1:])

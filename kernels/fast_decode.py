@@ -4,7 +4,10 @@ Each program handles one (request, KV head, split). It loads the whole GQA group
 queries once, then streams a *virtual* sequence made of
 
   [0, packed_len)                 the packed sinks + selected tokens, contiguous in
-                                  packed_k/packed_v[pool, h, :, :]
+                                  packed_k/packed_v[pool, h, :, :]; or, with sel_pos
+                                  (the "triton-pool" fast path, nothing packed), the
+                                  sinks [0, n_sinks) then sel_pos[pool, h, :], read in
+                                  place through req_to_token
   [packed_len, packed_len + Lw)   the recent window, positions [win_start, seq_len),
                                   read in place through req_to_token
 
@@ -62,8 +65,10 @@ def _fast_decode_kernel(
     stride_ob, stride_oh,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, LISTED: tl.constexpr,
 ):
+    # LISTED: Packed_k is the layer's sel_pos [slots, H_kv, K] int32 (strides pkr, pkh; -1
+    # reads nothing) and Packed_v the slots' n_sinks [slots] int32
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -93,17 +98,36 @@ def _fast_decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
 
-    # 1) packed region [start, min(end, lp)) -- contiguous rows.
-    pk_base = Packed_k + pool * stride_pkr + h * stride_pkh
-    pv_base = Packed_v + pool * stride_pvr + h * stride_pvh
+    # 1) sinks + selected [start, min(end, lp)): contiguous packed rows, or (LISTED) the
+    # positions sinks then sel_pos, read in place
     p_hi = tl.minimum(end, lp)
-    for n0 in range(start, p_hi, BLOCK_N):
-        offs_n = n0 + offs_nb
-        mask_n = offs_n < p_hi
-        mkd = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(pk_base + offs_n[:, None] * stride_pkp + offs_d[None, :], mask=mkd, other=0.0)
-        v = tl.load(pv_base + offs_n[:, None] * stride_pvp + offs_d[None, :], mask=mkd, other=0.0)
-        m_i, l_i, acc, _qk = _online_update(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, IEEE)
+    if LISTED:
+        sp_base = Packed_k + pool * stride_pkr + h * stride_pkh
+        rt_row = Req_to_token + pool * stride_rt
+        ns = tl.load(Packed_v + pool).to(tl.int32)
+        for n0 in range(start, p_hi, BLOCK_N):
+            offs_n = n0 + offs_nb
+            in_sel = (offs_n >= ns) & (offs_n < p_hi)
+            pos = tl.load(sp_base + (offs_n - ns), mask=in_sel, other=-1)
+            pos = tl.where(offs_n < ns, offs_n, pos)
+            mask_n = (offs_n < p_hi) & (pos >= 0)
+            slot = tl.load(rt_row + pos, mask=mask_n, other=0).to(tl.int64)
+            mkd = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(K_cache + slot[:, None] * stride_kcs + h * stride_kch + offs_d[None, :],
+                        mask=mkd, other=0.0)
+            v = tl.load(V_cache + slot[:, None] * stride_vcs + h * stride_vch + offs_d[None, :],
+                        mask=mkd, other=0.0)
+            m_i, l_i, acc, _qk = _online_update(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, IEEE)
+    else:
+        pk_base = Packed_k + pool * stride_pkr + h * stride_pkh
+        pv_base = Packed_v + pool * stride_pvr + h * stride_pvh
+        for n0 in range(start, p_hi, BLOCK_N):
+            offs_n = n0 + offs_nb
+            mask_n = offs_n < p_hi
+            mkd = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(pk_base + offs_n[:, None] * stride_pkp + offs_d[None, :], mask=mkd, other=0.0)
+            v = tl.load(pv_base + offs_n[:, None] * stride_pvp + offs_d[None, :], mask=mkd, other=0.0)
+            m_i, l_i, acc, _qk = _online_update(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, IEEE)
 
     # 2) window region, window-relative offsets [max(start, lp) - lp, end - lp).
     w_lo = tl.maximum(start, lp) - lp
@@ -175,9 +199,12 @@ def _counters(device, n):
 def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, win_start,
                 packed_k, packed_v, packed_len, sm_scale, out=None, num_splits=None,
                 max_window=None, block_n=None, num_warps=None, num_stages=None,
-                fused_reduce=None, counters=None, lse_out=None):
+                fused_reduce=None, counters=None, lse_out=None, sel_pos=None, n_sinks=None):
     """SFI fast-step attention. q [B,H_q,D]; k_cache/v_cache [slots,H_kv,D];
     packed_k/packed_v [max_reqs,H_kv,P,D]. Returns out [B,H_q,D] (q.dtype).
+    sel_pos [max_reqs,H_kv,K] int32 and n_sinks [max_reqs] int32 instead of packed_k and
+    packed_v (None): the sinks [0, n_sinks) and the selected positions are read in place,
+    through req_to_token, like the window (nothing packed; packed_len = n_sinks + count).
 
     num_splits: split-K count; None chooses it from the work size (P + max_window,
     max_window defaulting to 512) and the SM count, without reading device values, so
@@ -200,10 +227,16 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
         from .reference import ref_fast_decode
         return ref_fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                                win_start, packed_k, packed_v, packed_len, sm_scale, out=out,
-                               lse_out=lse_out)
-    assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
-    assert packed_k.stride(3) == 1 and packed_v.stride(3) == 1 and out.stride(2) == 1
-    P = packed_k.shape[2]
+                               lse_out=lse_out, sel_pos=sel_pos, n_sinks=n_sinks)
+    listed = sel_pos is not None
+    assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1 and out.stride(2) == 1
+    if listed:
+        assert sel_pos.dtype == torch.int32 and sel_pos.stride(2) == 1 and n_sinks.dtype == torch.int32
+        packed_k, packed_v = sel_pos, n_sinks
+        P = sel_pos.shape[2]  # the work size the splits are chosen for (sinks: a few more)
+    else:
+        assert packed_k.stride(3) == 1 and packed_v.stride(3) == 1
+        P = packed_k.shape[2]
     BLOCK_N = block_n or BLOCK_N_DEFAULT
     if num_splits is None:
         num_splits = choose_num_splits(split_programs(B, Hkv), P + (max_window or 512), BLOCK_N, q.device,
@@ -235,10 +268,10 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0),
         packed_k.stride(0), packed_k.stride(1), packed_k.stride(2),
-        packed_v.stride(0), packed_v.stride(1), packed_v.stride(2),
+        *((0, 0, 0) if listed else (packed_v.stride(0), packed_v.stride(1), packed_v.stride(2))),
         out.stride(0), out.stride(1),
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, IEEE=ieee, FUSED_REDUCE=fused,
-        WRITE_LSE=lse_out is not None,
+        WRITE_LSE=lse_out is not None, LISTED=listed,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and not fused:

@@ -80,7 +80,7 @@ def _store_kernel(
     stride_pob, stride_poh, stride_spm, stride_sph,
     stride_pkr, stride_pkh, stride_pkp, stride_pvr, stride_pvh, stride_pvp,
     KP, S: tl.constexpr, K: tl.constexpr,
-    HAS_ROWS: tl.constexpr, HAS_LENS: tl.constexpr,
+    HAS_ROWS: tl.constexpr, HAS_LENS: tl.constexpr, PACK: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     i = tl.program_id(0)
@@ -102,17 +102,18 @@ def _store_kernel(
         sel = tl.load(Positions + i * stride_pob + h * stride_poh + k, mask=in_k & (k < KP), other=-1)
         sel = tl.where(k < cnt, sel, -1).to(tl.int32)
         tl.store(Sel_pos + pool * stride_spm + h * stride_sph + k, sel, mask=in_k)
-        pos = tl.where(offs_p < S, tl.where(offs_p < ns, offs_p, -1), sel)
-        offs_d = tl.arange(0, BLOCK_D)
-        valid = (offs_p < S + K) & (pos >= 0)
-        slot = tl.load(Req_to_token + pool * stride_rt + pos, mask=valid, other=0).to(tl.int64)
-        m = valid[:, None] & (offs_d < D)[None, :]
-        kk = tl.load(K_cache + slot[:, None] * stride_kcs + h * stride_kch + offs_d[None, :], mask=m)
-        vv = tl.load(V_cache + slot[:, None] * stride_vcs + h * stride_vch + offs_d[None, :], mask=m)
-        tl.store(Packed_k + pool * stride_pkr + h * stride_pkh + offs_p[:, None] * stride_pkp
-                 + offs_d[None, :], kk.to(Packed_k.dtype.element_ty), mask=m)
-        tl.store(Packed_v + pool * stride_pvr + h * stride_pvh + offs_p[:, None] * stride_pvp
-                 + offs_d[None, :], vv.to(Packed_v.dtype.element_ty), mask=m)
+        if PACK:
+            pos = tl.where(offs_p < S, tl.where(offs_p < ns, offs_p, -1), sel)
+            offs_d = tl.arange(0, BLOCK_D)
+            valid = (offs_p < S + K) & (pos >= 0)
+            slot = tl.load(Req_to_token + pool * stride_rt + pos, mask=valid, other=0).to(tl.int64)
+            m = valid[:, None] & (offs_d < D)[None, :]
+            kk = tl.load(K_cache + slot[:, None] * stride_kcs + h * stride_kch + offs_d[None, :], mask=m)
+            vv = tl.load(V_cache + slot[:, None] * stride_vcs + h * stride_vch + offs_d[None, :], mask=m)
+            tl.store(Packed_k + pool * stride_pkr + h * stride_pkh + offs_p[:, None] * stride_pkp
+                     + offs_d[None, :], kk.to(Packed_k.dtype.element_ty), mask=m)
+            tl.store(Packed_v + pool * stride_pvr + h * stride_pvh + offs_p[:, None] * stride_pvp
+                     + offs_d[None, :], vv.to(Packed_v.dtype.element_ty), mask=m)
         if (h == 0) & (pb == 0):
             ws = tl.load(Ws + i).to(tl.int64)
             tl.store(Sel_count + pool, cnt)
@@ -129,7 +130,8 @@ def store_selection(k_cache, v_cache, req_to_token, slots, positions, sel_count,
     for each row i of `slots` [b] (int64; only where rows [b] bool holds, if given):
       sel_pos[slot, h, :]  = positions[i, h, :sel_count[i]] then -1 (positions [b, H, K'],
                              K' <= K, any int dtype),
-      packed[slot, h, :]   = K/V of the sinks [0, min(seq_len, S)) then of those positions,
+      packed[slot, h, :]   = K/V of the sinks [0, min(seq_len, S)) then of those positions
+                             (packed_k None: nothing packed, the "triton-pool" fast path),
       sel_count, win_start, n_sinks = min(seq_len, S) (S without seq_lens), fast_ws
       (= n_sinks if < S else max(win_start, S)), packed_len = n_sinks + sel_count.
     sel_count [b], win_start [b], seq_lens [b] or None: device int tensors. No host sync."""
@@ -142,15 +144,17 @@ def store_selection(k_cache, v_cache, req_to_token, slots, positions, sel_count,
     BLOCK_D = max(16, next_pow2(D))
     BLOCK_P = max(16, min(128, 8192 // BLOCK_D))
     grid = (b, H, triton.cdiv(sinks + K, BLOCK_P))
+    pack = packed_k is not None
+    pk_strides = (packed_k.stride(0), packed_k.stride(1), packed_k.stride(2)) if pack else (0, 0, 0)
+    pv_strides = (packed_v.stride(0), packed_v.stride(1), packed_v.stride(2)) if pack else (0, 0, 0)
     _store_kernel[grid](
         k_cache, v_cache, req_to_token, slots, rows if rows is not None else slots, positions,
         sel_count, win_start, seq_lens if seq_lens is not None else slots,
-        sel_pos, sel_count_buf, win_start_buf, n_sinks_buf, fast_ws_buf, packed_len, packed_k, packed_v,
+        sel_pos, sel_count_buf, win_start_buf, n_sinks_buf, fast_ws_buf, packed_len,
+        packed_k if pack else k_cache, packed_v if pack else v_cache,
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), positions.stride(0), positions.stride(1),
-        sel_pos.stride(0), sel_pos.stride(1),
-        packed_k.stride(0), packed_k.stride(1), packed_k.stride(2),
-        packed_v.stride(0), packed_v.stride(1), packed_v.stride(2),
-        KP, S=int(sinks), K=K, HAS_ROWS=rows is not None, HAS_LENS=seq_lens is not None,
+        sel_pos.stride(0), sel_pos.stride(1), *pk_strides, *pv_strides,
+        KP, S=int(sinks), K=K, HAS_ROWS=rows is not None, HAS_LENS=seq_lens is not None, PACK=pack,
         D=D, BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P, num_warps=num_warps or 4,
     )

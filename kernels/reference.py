@@ -30,9 +30,12 @@ def _finish(result, out):
 
 def ref_fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, win_start,
                     packed_k, packed_v, packed_len, sm_scale, out=None,
-                    compute_dtype=torch.float64, lse_out=None, **_ignored):
+                    compute_dtype=torch.float64, lse_out=None, sel_pos=None, n_sinks=None, **_ignored):
     """Attention of q over packed[pool, h, :packed_len[pool]] + window [win_start, seq_len);
-    lse_out [B, H_q]: each head's log-sum-exp of its logits (-inf for an empty memory)."""
+    with sel_pos [slots, H_kv, K] and n_sinks [slots] instead of the packed buffers, over
+    the positions [0, n_sinks) then sel_pos[pool, h, :packed_len - n_sinks] (-1: none),
+    read through req_to_token. lse_out [B, H_q]: each head's log-sum-exp of its logits
+    (-inf for an empty memory)."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
@@ -47,6 +50,21 @@ def ref_fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_len
         w0 = max(int(ws[b]), 0)
         w1 = max(int(sl[b]), w0)
         slots = req_to_token[pool, w0:w1].long()
+        if sel_pos is not None:  # per KV head: its own positions (-1 entries read nothing)
+            ns = int(n_sinks[pool])
+            qb = q[b].to(cd).view(Hkv, G, D)
+            lses = []
+            for h in range(Hkv):
+                sel = sel_pos[pool, h, :lp - ns].long()
+                pos = torch.cat([torch.arange(ns, device=sel.device), sel[sel >= 0]])
+                held = torch.cat([req_to_token[pool, pos].long(), slots])
+                o, lg = _attend(qb[h], k_cache[held, h][None].to(cd), v_cache[held, h][None].to(cd),
+                                sm_scale, G)
+                res[b, h * G:(h + 1) * G] = o
+                lses.append(torch.logsumexp(lg, -1))
+            if lse_out is not None:
+                lse_out[b] = torch.cat(lses).to(lse_out.dtype)
+            continue
         keys = torch.cat([packed_k[pool, :, :lp].to(cd), k_cache[slots].to(cd).transpose(0, 1)], 1)
         vals = torch.cat([packed_v[pool, :, :lp].to(cd), v_cache[slots].to(cd).transpose(0, 1)], 1)
         res[b], logits = _attend(q[b].to(cd), keys, vals, sm_scale, G)

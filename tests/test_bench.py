@@ -62,10 +62,10 @@ sys.path.insert(0, "bench")
 import harness as bench
 from sfi_sglang.method.config import SFIConfig
 
-packed = sys.argv[1] == "kernel"
+packed = sys.argv[1] != "reference"
 torch.manual_seed(0)
 cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=(0,), refresh="interval",
-                max_interval=3, min_gap=1)
+                max_interval=3, min_gap=1, fast_path="triton-pool" if sys.argv[1] == "pool" else "triton")
 model = bench.DummyModel(bench.SHAPES["tiny"], torch.float32, "cpu")
 s = model.s
 st = bench.Setup(model, cfg, 70, 3, 8, "cpu", torch.float32, packed=packed)
@@ -95,13 +95,14 @@ print("OK")
 def test_backend_kernel_path_equals_reference_path(tmp_path):
     """Same decode steps (slow, fast, fast, slow, ...) through the backend with the packed
     kernel memory (Triton, interpreted, in a process with TRITON_INTERPRET=1 set before
-    triton's import; its slow steps select for every layer at once at the step's end) and
-    with the torch reference (layer by layer, in a process without it): same outputs, same
-    selections, also for a row with its own dense layer."""
+    triton's import; its slow steps select for every layer at once at the step's end), with
+    the kernel reading the pool in place (--sfi-fast-path triton-pool) and with the torch
+    reference (layer by layer, in a process without it): same outputs, same selections,
+    also for a row with its own dense layer."""
     import torch
 
     records = {}
-    for path, interpret in (("reference", "0"), ("kernel", "1")):
+    for path, interpret in (("reference", "0"), ("kernel", "1"), ("pool", "1")):
         out = tmp_path / f"{path}.pt"
         env = dict(os.environ, TRITON_INTERPRET=interpret)
         r = subprocess.run([sys.executable, "-c", _KERNEL_VS_REFERENCE, path, str(out)], capture_output=True,
@@ -109,13 +110,15 @@ def test_backend_kernel_path_equals_reference_path(tmp_path):
         assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
         records[path] = torch.load(out)
     kinds = set()
-    for step, (ref, ker) in enumerate(zip(records["reference"], records["kernel"])):
-        assert torch.equal(ref["slow"], ker["slow"]), step
+    for step, ref in enumerate(records["reference"]):
         kinds |= {"slow" if x else "fast" for x in ref["slow"].tolist()}
-        err = ((ref["out"] - ker["out"]).norm() / ref["out"].norm()).item()
-        assert err < 1e-5, (step, ref["slow"], err)
-        assert torch.equal(ref["sel_count"], ker["sel_count"]), step
-        assert torch.equal(ref["sel_pos"], ker["sel_pos"]), step
+        for path in ("kernel", "pool"):
+            ker = records[path][step]
+            assert torch.equal(ref["slow"], ker["slow"]), (path, step)
+            err = ((ref["out"] - ker["out"]).norm() / ref["out"].norm()).item()
+            assert err < 1e-5, (path, step, ref["slow"], err)
+            assert torch.equal(ref["sel_count"], ker["sel_count"]), (path, step)
+            assert torch.equal(ref["sel_pos"], ker["sel_pos"]), (path, step)
     assert kinds == {"fast", "slow"}, kinds
 
 

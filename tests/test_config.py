@@ -56,7 +56,7 @@ def test_cli_name():
     (dict(nms_radius=-2), "--sfi-nms-radius"),
     (dict(pool_radius=-1), "--sfi-pool-radius"),
     (dict(use_nms="yes"), "--sfi-use-nms"),
-    (dict(fast_path="cuda"), "--sfi-fast-path must be 'triton' or 'flashinfer'"),
+    (dict(fast_path="cuda"), "--sfi-fast-path must be 'triton', 'triton-pool' or 'flashinfer'"),
     (dict(dense_layers=(0, -1)), "--sfi-dense-layers"),
 ])
 def test_validation_names_option(kw, needle):

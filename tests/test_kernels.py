@@ -150,6 +150,45 @@ def test_fast_decode_matches_reference(G, D, splits, block_n, seq_lens, S, W, Kc
     assert (lse.double() - lse_ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("G,D,splits,block_n,seq_lens,S,W,Kc,P", FAST_CASES[1:4])
+def test_fast_decode_reads_the_selection_in_place(G, D, splits, block_n, seq_lens, S, W, Kc, P, fused):
+    """The "triton-pool" fast path (sel_pos and n_sinks instead of packed K/V): the sinks and
+    each head's selected positions read through req_to_token equal the float64 reference
+    (a -1 entry reads nothing), and, without holes, the packed path's result."""
+    Hkv = 2
+    st = make_state(len(seq_lens), Hkv, G, D, P, seq_lens)
+    positions, win_start, packed_len = sfi_layout(st, S, W, Kc, seq_lens, P)
+    max_reqs = st["packed_k"].shape[0]
+    sel_pos = torch.randint(-1, 5, (max_reqs, Hkv, P - S), dtype=torch.int32, generator=st["gen"])  # junk
+    n_sinks = torch.randint(0, S + 1, (max_reqs,), dtype=torch.int32, generator=st["gen"])
+    for b, n in enumerate(seq_lens):
+        pool = int(st["req_pool_indices"][b])
+        ns = min(S, max(min(S, n), n - W))
+        n_sinks[pool] = ns
+        sel_pos[pool] = -1
+        sel_pos[pool, :, :int(packed_len[pool]) - ns] = positions[b, :, ns:int(packed_len[pool])].cpu()
+    sel_pos, n_sinks = sel_pos.to(DEV), n_sinks.to(DEV)
+    args = (st["q"], st["k_cache"], st["v_cache"], st["req_to_token"], st["req_pool_indices"],
+            st["seq_lens"], win_start, None, None, packed_len, D ** -0.5)
+    K.pack(st["k_cache"], st["v_cache"], st["req_to_token"], st["req_pool_indices"], positions,
+           st["packed_k"], st["packed_v"])
+    packed = K.fast_decode(*args[:7], st["packed_k"], st["packed_v"], *args[9:], num_splits=splits,
+                           block_n=block_n, fused_reduce=fused)
+    kw = dict(num_splits=splits, block_n=block_n, fused_reduce=fused, sel_pos=sel_pos, n_sinks=n_sinks)
+    assert rel_err(K.fast_decode(*args, **kw), packed) < TOL[torch.float32]
+    pool0 = int(st["req_pool_indices"][0])
+    sel_pos[pool0, 0, 0] = -1  # a hole: head 0 of row 0 reads one position fewer
+    B, Hq = len(seq_lens), Hkv * G
+    lse_ref = torch.empty(B, Hq, dtype=torch.float64, device=DEV)
+    ref = K.ref_fast_decode(*args, lse_out=lse_ref, sel_pos=sel_pos, n_sinks=n_sinks)
+    lse = torch.full((B, Hq), float("nan"), device=DEV)
+    out = K.fast_decode(*args, **kw, lse_out=lse)
+    assert torch.isfinite(out).all() and rel_err(out, ref) < TOL[torch.float32]
+    assert (lse.double() - lse_ref).abs().max().item() < 1e-4
+    assert rel_err(out[0, :G], packed[0, :G]) > 1e-3  # the hole changed head 0's result
+
+
 def test_fast_decode_after_pack_equals_dense_when_memory_covers_history():
     """Below S+K+W tokens the sparse memory is the whole history: SFI == dense."""
     G, D, Hkv, P = 4, 32, 2, 64

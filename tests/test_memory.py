@@ -289,9 +289,13 @@ def test_reset_store_and_bytes():
     assert int(mem.sel_count[int(st["rpi"][1])]) == 5
     pk = SparseMemory(3, [1, 2], 5, Hkv, D, CFG, DEV, torch.float16, packed=True)
     assert pk.bytes() == mem.bytes() + 2 * L * M * Hkv * (CFG.sinks + K) * D * 2 + M * 4
+    # "triton-pool" reads the pool in place: per slot only the lists (and packed_len)
+    pool_cfg = CFG.replace(fast_path="triton-pool")
+    pool = SparseMemory(3, [1, 2], 5, Hkv, D, pool_cfg, DEV, torch.float16, packed=True)
+    assert pool.bytes() == mem.bytes() + M * 4 and not pool.packed_k
     # slot_bytes (what SGLang's budget sets aside, sfi_sglang.integration.hooks) is the allocation per slot
-    for m, packed in ((mem, False), (pk, True)):
-        assert m.bytes() == M * SparseMemory.slot_bytes(L, Hkv, D, CFG, torch.float16, packed)
+    for m, cfg, packed in ((mem, CFG, False), (pk, CFG, True), (pool, pool_cfg, True)):
+        assert m.bytes() == M * SparseMemory.slot_bytes(L, Hkv, D, cfg, torch.float16, packed)
 
 
 def test_kv_budget_sets_aside_sparse_memory_and_key_norms():
@@ -352,7 +356,10 @@ def test_kernel_path_matches_reference(G, full):
     t = [34, 52, 6, 20] if full else [66, 52, 6, 20]
     st, gen = make_pool(t, Hkv, G, D, seed=None)
     mems = [SparseMemory(2, [1], 8, Hkv, D, cfg, DEV, torch.float32, packed=p) for p in (False, True)]
-    assert mems[1].packed and not mems[0].packed
+    # the fast path that reads the pool in place: nothing packed, the same result
+    mems.append(SparseMemory(2, [1], 8, Hkv, D, cfg.replace(fast_path="triton-pool"), DEV, torch.float32,
+                             packed=True))
+    assert mems[1].packed and not mems[0].packed and not mems[2].packed_k
     pos, cnt, ws = selection(cfg, n_sel, Hkv, gen, k=None if full else 10)
     for m in mems:
         m.reset(st["rpi"])
@@ -360,12 +367,13 @@ def test_kernel_path_matches_reference(G, full):
                 seq_lens=torch.tensor(n_sel, device=DEV))
     args = (st["q"], st["k"], st["v"], st["rtt"], st["rpi"], st["seq_lens"], D ** -0.5)
     ref = mems[0].attend_fast(1, *args)
-    out = torch.full_like(st["q"], float("nan"))
-    mems[1].attend_fast(1, *args, out=out)
-    assert torch.isfinite(out).all()
-    assert rel_err(out, ref) < 1e-5
-    if full:
-        assert rel_err(out, dense64(st, D ** -0.5)) < 1e-5
+    for m in mems[1:]:
+        out = torch.full_like(st["q"], float("nan"))
+        m.attend_fast(1, *args, out=out)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) < 1e-5, m.fast_path
+        if full:
+            assert rel_err(out, dense64(st, D ** -0.5)) < 1e-5
     # slow step: dense + scores, kernel vs reference
     o_ref, s_ref = mems[0].attend_slow(1, *args, max_len=max(t) + 3)
     o_k, s_k = mems[1].attend_slow(1, *args, max_len=max(t) + 3)
@@ -384,6 +392,8 @@ def test_kernel_store_is_the_reference_store_in_one_launch():
     n_sel = [60, 3, 40, 52]
     st, gen = make_pool([64, 6, 44, 56], Hkv, 2, D, seed=3)
     mems = [SparseMemory(2, [1], 8, Hkv, D, cfg, DEV, torch.float32, packed=p) for p in (False, True)]
+    mems.append(SparseMemory(2, [1], 8, Hkv, D, cfg.replace(fast_path="triton-pool"), DEV, torch.float32,
+                             packed=True))  # the same launch, bookkeeping only
     first = selection(cfg, n_sel, Hkv, gen, k=9)
     pos, cnt, ws = selection(cfg, n_sel, Hkv, gen, k=7)
     rows = torch.tensor([True, True, False, True], device=DEV)
@@ -391,9 +401,11 @@ def test_kernel_store_is_the_reference_store_in_one_launch():
     for m in mems:
         m.store(1, st["rpi"], *first, st["k"], st["v"], st["rtt"], seq_lens=lens)
         m.store(1, st["rpi"], pos[..., :9], cnt, ws, st["k"], st["v"], st["rtt"], seq_lens=lens, rows=rows)
-    ref, ker = mems
+    ref, ker, pool = mems
     for name in ("sel_pos", "sel_count", "win_start", "n_sinks", "fast_ws"):
         assert torch.equal(getattr(ker, name), getattr(ref, name)), name
+        assert torch.equal(getattr(pool, name), getattr(ref, name)), name
+    assert torch.equal(pool.packed_len, ker.packed_len)
     assert int(ker.n_sinks[int(st["rpi"][1])]) == 3 and int(ker.sel_count[int(st["rpi"][2])]) == 9
     for b, slot in enumerate(st["rpi"].tolist()):
         ns, c = int(ref.n_sinks[slot]), int(ref.sel_count[slot])

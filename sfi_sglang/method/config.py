@@ -44,7 +44,8 @@ def parse_layers(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
-FAST_PATHS = ("triton", "flashinfer")
+FAST_PATHS = ("triton", "triton-pool", "flashinfer")
+KERNEL_FAST_PATHS = ("triton", "triton-pool")  # kernels.fast_decode (and its log-sum-exp)
 REFRESH_MODES = ("boundary", "interval", "adaptive")
 
 
@@ -110,8 +111,10 @@ class SFIConfig:
     use_nms: bool = False                # the spec's soft-NMS: off by default (docs/method.md)
     use_exclusivity: bool = True
     # fast-step kernel on CUDA (server-wide): "triton" (kernels.fast_decode over packed
-    # sinks + selected and the window in place) or "flashinfer" (FlashInfer's paged decode,
-    # page size 1, KV heads folded into the batch; needs flashinfer). Default by measurement:
+    # sinks + selected and the window in place), "triton-pool" (the same kernel reading the
+    # sinks and the selected positions in place from SGLang's pool, through req_to_token:
+    # no packed copy per request slot) or "flashinfer" (FlashInfer's paged decode, page
+    # size 1, KV heads folded into the batch; needs flashinfer). Default by measurement:
     # bench/NOTES.md section 14. The CPU always runs the torch reference.
     fast_path: str = "triton"
 
@@ -191,10 +194,10 @@ class SFIConfig:
             if not is_num(v) or not 0 <= v <= 1:
                 bad(name, "a number in [0, 1]")
         if self.fast_path not in FAST_PATHS:
-            bad("fast_path", "'triton' or 'flashinfer'")
-        if self.refresh == "adaptive" and self.fast_path != "triton":
-            raise SFIConfigError(f"{cli_name('refresh')} adaptive needs {cli_name('fast_path')} triton "
-                                 "(the trigger reads the Triton fast kernel's log-sum-exp)")
+            bad("fast_path", "'triton', 'triton-pool' or 'flashinfer'")
+        if self.refresh == "adaptive" and self.fast_path not in KERNEL_FAST_PATHS:
+            raise SFIConfigError(f"{cli_name('refresh')} adaptive needs {cli_name('fast_path')} triton or "
+                                 "triton-pool (the trigger reads the Triton fast kernel's log-sum-exp)")
         for name in ("use_prior", "use_nms", "use_exclusivity"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "true or false")

@@ -17,6 +17,9 @@ Two implementations of the same semantics:
       then selected), and `attend_fast` is one kernels.fast_decode launch over the packed
       prefix + the window read in place. No host sync on the fast path (CUDA-graph safe).
 
+With cfg.fast_path == "triton-pool" (CUDA), nothing is packed: `store` keeps only the
+positions, and kernels.fast_decode reads the sinks and each head's selected positions in
+place through req_to_token, as it reads the window (per slot only the lists, not K/V).
 With cfg.fast_path == "flashinfer" (CUDA), fast steps run through FlashInfer's paged decode
 instead (kernels.flashinfer_fast: page size 1, KV heads folded into the batch, every token
 read in place, so nothing is packed): `plan_fast` once per step, `attend_fast` per layer.
@@ -32,7 +35,7 @@ from typing import Iterable, Optional
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from sfi_sglang.method.config import SFIConfigError
+from sfi_sglang.method.config import KERNEL_FAST_PATHS, SFIConfigError
 
 # A window start past any context: the fast kernel reads no window for such a slot (SGLang's
 # padding slot 0, and the device-path rows of requests with SFI off).
@@ -52,9 +55,10 @@ class SparseMemory:
                                     < S, so short contexts grow into the sinks correctly
       fast_ws   [max_slots] int64   the packed path's window start, set by `store`
       counts    [max_slots, 2] int64  fast and slow decode steps of the slot's request
-    the Triton fast path (fast_path "triton") adds
-      packed_k, packed_v  list over sparse layers of [max_slots, H_kv, S+K, D] (`dtype`)
+    the Triton fast paths add
       packed_len [max_slots] int32  = n_sinks + sel_count
+    and fast_path "triton" also
+      packed_k, packed_v  list over sparse layers of [max_slots, H_kv, S+K, D] (`dtype`)
     Layer ids are model layer ids; `sparse_layer_ids` maps them to rows of sel_pos.
     """
 
@@ -94,10 +98,16 @@ class SparseMemory:
             P = self.sinks + K
             self.packed_k = [torch.zeros(M, H, P, self.head_dim, dtype=dtype, device=dev) for _ in range(L)]
             self.packed_v = [torch.zeros(M, H, P, self.head_dim, dtype=dtype, device=dev) for _ in range(L)]
+        if self.kernel_fast_path:
             self.packed_len = torch.zeros(M, dtype=torch.int32, device=dev)
         self._k = _kernels() if self.packed else None
         self._ar_k = torch.arange(K, device=dev)
         self._ar_s = torch.arange(self.sinks, device=dev)
+
+    @property
+    def kernel_fast_path(self) -> bool:
+        """Fast steps run kernels.fast_decode (fast_path "triton" or "triton-pool")."""
+        return self.fast_path in KERNEL_FAST_PATHS
 
     # ------------------------------------------------------------------ bookkeeping
     @staticmethod
@@ -186,13 +196,14 @@ class SparseMemory:
         positions = positions.to(dev)
         kp = positions.shape[-1]
         assert kp <= self.budget, f"{kp} selected positions > budget {self.budget}"
-        if self.fast_path == "triton":  # one launch: bookkeeping and pack (kernels.store_selection)
+        if self.kernel_fast_path:  # one launch: bookkeeping (and pack: kernels.store_selection)
+            pack = self.fast_path == "triton"
             self._k.store_selection(
                 k_cache, v_cache, req_to_token, s, positions.contiguous(), _per_row(sel_count, b, dev),
                 _per_row(win_start, b, dev), None if seq_lens is None else _per_row(seq_lens, b, dev),
                 None if rows is None else rows.to(dev).reshape(-1), self.sinks, self.sel_pos[li],
                 self.sel_count, self.win_start, self.n_sinks, self.fast_ws, self.packed_len,
-                self.packed_k[li], self.packed_v[li])
+                self.packed_k[li] if pack else None, self.packed_v[li] if pack else None)
             return
         cnt = torch.as_tensor(sel_count, device=dev).to(torch.int64).reshape(-1).expand(b)
         valid = self._ar_k[:kp][None, None, :] < cnt[:, None, None]
@@ -224,7 +235,7 @@ class SparseMemory:
     def step_window_start(self, req_pool_indices: torch.Tensor) -> Optional[torch.Tensor]:
         """The packed fast path's window starts of a decode step's rows (attend_fast's
         win_start), or None on the other paths."""
-        if not self.packed or self.fast_path != "triton":
+        if not self.packed or not self.kernel_fast_path:
             return None
         return self.fast_ws[req_pool_indices.to(self.device).long()]
 
@@ -266,9 +277,14 @@ class SparseMemory:
                                  self.n_sinks, self.sel_pos[li], self.sel_count, out=out)
         if self.packed:
             ws = self.fast_ws[rpi] if win_start is None else win_start
+            if self.fast_path == "triton-pool":
+                kernel_kw.update(sel_pos=self.sel_pos[li], n_sinks=self.n_sinks)
+                packed = (None, None)
+            else:
+                packed = (self.packed_k[li], self.packed_v[li])
             return self._k.fast_decode(q, k_cache, v_cache, req_to_token, rpi, seq_lens, ws,
-                                       self.packed_k[li], self.packed_v[li], self.packed_len,
-                                       sm_scale, out=out, lse_out=lse_out, **kernel_kw)
+                                       *packed, self.packed_len, sm_scale, out=out, lse_out=lse_out,
+                                       **kernel_kw)
         n = self._ref_len(seq_lens, max_len)
         allowed = self._fast_mask(li, rpi, seq_lens, n)
         if extra is not None:
