@@ -47,7 +47,12 @@ def _register_backend() -> None:
         from sfi_sglang.integration.backend import SFIAttnBackend
         from sfi_sglang.engine import dense_backend
 
-        return SFIAttnBackend(runner, ATTENTION_BACKENDS[dense_backend()](runner))
+        name = dense_backend()
+        if name == "torch_native":  # the CPU engine: extends after a cached prefix cost r (p + r)
+            from sfi_sglang.integration.dense_cpu import PrefixExtendTorchNative
+
+            return SFIAttnBackend(runner, PrefixExtendTorchNative(runner))
+        return SFIAttnBackend(runner, ATTENTION_BACKENDS[name](runner))
 
 
 def _trace() -> None:

@@ -170,3 +170,35 @@ def test_bad_request_options_error_and_engine_keeps_serving(engine, prompts, bad
         engine.generate(prompts["fit"][0], {**GREEDY, "max_new_tokens": 4, "custom_params": {"sfi": bad}})
     out = engine.generate(prompts["fit"][0], {**GREEDY, "max_new_tokens": 4})
     assert out["meta_info"]["completion_tokens"] == 4
+
+
+def test_cpu_dense_extend_after_a_prefix_is_sglangs_to_the_bit():
+    """The CPU dense backend's extend (integration.dense_cpu) gives SGLang's torch_native
+    results bit for bit (float32, the CPU engine's dtype) on a batch mixing a fresh prompt,
+    rows after a cached prefix and a one-row extend (GQA), while attending only from the
+    new rows."""
+    dtype = torch.float32
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    from sfi_sglang.integration.dense_cpu import PrefixExtendTorchNative
+
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv, d = 6, 2, 16
+    seq, prefix = [40, 300, 129], [0, 291, 128]
+    new = [n - p for n, p in zip(seq, prefix)]
+    slots = sum(seq) + 5
+    k_cache, v_cache = (torch.randn(slots, hkv, d, generator=gen, dtype=dtype) for _ in range(2))
+    r2t = torch.zeros(4, 320, dtype=torch.int64)
+    perm, off = torch.randperm(slots, generator=gen), 0
+    for i, n in enumerate(seq):
+        r2t[i + 1, :n] = perm[off:off + n]
+        off += n
+    q = torch.randn(sum(new), hq, d, generator=gen, dtype=dtype)
+    args = (k_cache, v_cache, r2t, torch.tensor([1, 2, 3]), torch.tensor(seq), torch.tensor(prefix),
+            torch.tensor(new), None)
+    kw = dict(scaling=d ** -0.5, enable_gqa=True, causal=True)
+    want = TorchNativeAttnBackend._run_sdpa_forward_extend(object.__new__(TorchNativeAttnBackend), q,
+                                                             torch.empty_like(q), *args, **kw)
+    got = PrefixExtendTorchNative._run_sdpa_forward_extend(object.__new__(PrefixExtendTorchNative), q,
+                                                           torch.full_like(q, float("nan")), *args, **kw)
+    assert torch.equal(got, want)
