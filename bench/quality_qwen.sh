@@ -33,6 +33,6 @@ for r in ${RUNS:-code prose passkey}; do
     prose) run prose --builtin-texts essays,python-docs,licenses --passkey-contexts '' ;;
     passkey) run passkey --methods sfi --retention 0.15 --texts 1 --builtin-texts essays \
       --passkey-contexts "$CONTEXTS" --passkey-keys "${KEYS:-10}" --retrieval-contexts "$CONTEXTS" \
-      --retrieval-prompts "${KEYS:-10}" --passkey-methods dense,sfi,sfi-topup,quest,snapkv,streaming ;;
+      --retrieval-prompts "${KEYS:-10}" --passkey-methods "${PK_METHODS:-dense,sfi,sfi-lines,sfi-topup,quest,snapkv,streaming}" ;;
   esac
 done

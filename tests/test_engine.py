@@ -156,6 +156,17 @@ def test_per_request_options_apply(engine, prompts):
     assert len(out["output_ids"]) == 24 and sfi["slow_steps"] >= 2  # at most 8 steps apart
 
 
+def test_host_path_slow_steps_are_dense_steps(engine, dense, prompts):
+    """A request on the host path (its own budget) whose every step is slow decodes dense's
+    tokens: a slow step's output is its dense pass (once it was left unwritten there, and
+    every later token attended to a corrupted one)."""
+    out = engine.generate(prompts["long"], {**GREEDY, "max_new_tokens": 24, "ignore_eos": True,
+                                            "custom_params": {"sfi": {"budget": 128, "max_interval": 1,
+                                                                      "min_gap": 1}}})
+    assert out["meta_info"]["sfi"]["slow_steps"] >= 20
+    assert out["output_ids"] == dense["long"][:24]
+
+
 @pytest.mark.parametrize("bad, fragment", [
     ({"budget": -1}, "budget"),
     ({"budget": 100000}, "exceeds"),

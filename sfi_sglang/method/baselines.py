@@ -136,7 +136,10 @@ class HostPath:
                 o[i] = mem.attend_fast(lid, q[i:i + 1], kc, vc, r2t, rpi, sl, scale,
                                        lse_out=self.monitor.out(lid, i + 1, i), extra=extra)[0]
                 continue
-            _, scores = mem.attend_slow(lid, q[i:i + 1], kc, vc, r2t, rpi, sl, scale, max_len=n)
+            # a slow step's output is its dense pass (the device pass skips host rows on the
+            # CPU: backend._host_only), and its logits make the new selection
+            od, scores = mem.attend_slow(lid, q[i:i + 1], kc, vc, r2t, rpi, sl, scale, max_len=n)
+            o[i] = od[0]
             self.selection.layer(lid, rpi, torch.ones(1, dtype=torch.bool, device=scores.device), scores,
                                  sl.to(torch.int64), cfg=cfg)
 
