@@ -21,6 +21,8 @@ Two parts, one process:
      sfi-sN         the same with an explicit --triton-attention-num-kv-splits N
      sfi-pool       the same with --sfi-fast-path triton-pool (sinks and selection read in
                     place from the pool: no packed copy, so its pool holds more sequences)
+     sfi-fi         the same with --sfi-dense-backend flashinfer (prefill, dense layers and
+                    SFI-off rows on FlashInfer; carry .fi)
 
 CONTEXTxmax: each engine at the largest batch its own KV pool holds. The engine captures
 decode graphs at 1, 8 and steps of an eighth of an upper bound on that batch (the
@@ -241,6 +243,8 @@ def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) 
         suffix = f"s{caps['best']}"
     if name == "sfi-pool":  # the fast kernel reads the pool in place (no packed copy)
         kw["sfi_fast_path"] = "triton-pool"
+    elif name == "sfi-fi":  # prefill, dense layers and SFI-off rows on FlashInfer
+        kw["sfi_dense_backend"] = "flashinfer"
     elif suffix == "flashinfer":
         kw["attention_backend"] = "flashinfer"
     elif suffix.startswith("s") and suffix[1:].isdigit():

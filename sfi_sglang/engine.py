@@ -41,8 +41,11 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def dense_backend() -> str:
-    """The platform's dense attention backend, the one SFI wraps (and --disable-sfi uses)."""
+def dense_backend(cfg: SFIConfig | None = None) -> str:
+    """The dense attention backend SFI wraps (cfg.dense_backend, "auto": the platform's,
+    which --disable-sfi also uses)."""
+    if cfg is not None and cfg.dense_backend != "auto":
+        return cfg.dense_backend
     return "triton" if has_gpu() else "torch_native"
 
 
@@ -108,6 +111,9 @@ def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict
         if reference_only(cfg) and not out.get("disable_cuda_graph"):
             raise ValueError(f"{', '.join(reference_only(cfg))}: runs only in the torch reference "
                              "(eager decode steps); add --disable-cuda-graph, or leave it at its default")
+        if cfg.dense_backend != "auto" and not has_gpu():
+            raise ValueError(f"--sfi-dense-backend {cfg.dense_backend} needs a CUDA GPU; the CPU engine "
+                             "runs torch_native (leave it at auto)")
         if cfg.fast_path == "flashinfer" and has_gpu() and not out.get("disable_cuda_graph"):
             raise ValueError("--sfi-fast-path flashinfer plans each step on the host: it needs "
                              "--disable-cuda-graph (or keep the default --sfi-fast-path triton)")

@@ -46,8 +46,9 @@ def _register_backend() -> None:
     def create_sfi_backend(runner):
         from sfi_sglang.integration.backend import SFIAttnBackend
         from sfi_sglang.engine import dense_backend
+        from sfi_sglang.method.config import server_config
 
-        name = dense_backend()
+        name = dense_backend(server_config())
         if name == "torch_native":  # the CPU engine: extends after a cached prefix cost r (p + r)
             from sfi_sglang.integration.dense_cpu import PrefixExtendTorchNative
 

@@ -104,6 +104,20 @@ def test_sfi_raises_the_triton_split_cap_unless_given(monkeypatch):
     assert key not in launch_kwargs(base, SFIConfig(), enabled=False)
 
 
+def test_dense_backend_other_than_auto_needs_a_gpu(monkeypatch):
+    """--sfi-dense-backend flashinfer (or triton) on the CPU engine: refused, saying what to do."""
+    import os
+
+    from sfi_sglang.engine import dense_backend, launch_kwargs
+    from sfi_sglang.method.config import SFIConfig
+
+    monkeypatch.setattr(os, "environ", os.environ.copy())
+    with pytest.raises(ValueError, match="--sfi-dense-backend flashinfer needs a CUDA GPU"):
+        launch_kwargs({"model_path": "m"}, SFIConfig(dense_backend="flashinfer"), enabled=True)
+    assert dense_backend(SFIConfig(dense_backend="flashinfer")) == "flashinfer"
+    assert dense_backend(SFIConfig()) == dense_backend() == "torch_native"
+
+
 def test_reference_only_options_need_eager_decode_steps(monkeypatch):
     """The top-up and page-granular selection run in the torch reference (eager steps): a
     launch with CUDA graphs on is refused, naming them and what to change; without graphs

@@ -46,6 +46,7 @@ def parse_layers(text: str) -> tuple[int, ...]:
 
 FAST_PATHS = ("triton", "triton-pool", "flashinfer")
 KERNEL_FAST_PATHS = ("triton", "triton-pool")  # kernels.fast_decode (and its log-sum-exp)
+DENSE_BACKENDS = ("auto", "triton", "flashinfer")
 REFRESH_MODES = ("boundary", "interval", "adaptive")
 
 
@@ -117,6 +118,10 @@ class SFIConfig:
     # size 1, KV heads folded into the batch; needs flashinfer). Default by measurement:
     # bench/NOTES.md section 14. The CPU always runs the torch reference.
     fast_path: str = "triton"
+    # the dense attention backend SFI wraps (server-wide): it runs prefill, the dense layers
+    # and SFI-off rows. "auto": SGLang's triton on CUDA, torch_native on the CPU engine;
+    # "triton"; "flashinfer" (CUDA, needs flashinfer)
+    dense_backend: str = "auto"
 
     def __post_init__(self):
         # Normalise convenient input forms (CLI strings, JSON lists, ints for floats).
@@ -195,6 +200,8 @@ class SFIConfig:
                 bad(name, "a number in [0, 1]")
         if self.fast_path not in FAST_PATHS:
             bad("fast_path", "'triton', 'triton-pool' or 'flashinfer'")
+        if self.dense_backend not in DENSE_BACKENDS:
+            bad("dense_backend", "'auto', 'triton' or 'flashinfer'")
         if self.refresh == "adaptive" and self.fast_path not in KERNEL_FAST_PATHS:
             raise SFIConfigError(f"{cli_name('refresh')} adaptive needs {cli_name('fast_path')} triton or "
                                  "triton-pool (the trigger reads the Triton fast kernel's log-sum-exp)")
