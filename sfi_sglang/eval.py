@@ -130,6 +130,8 @@ METHODS = {
     # selection rounded to whole pages of 16 tokens (what a fast path reading pool pages
     # would hold), the budget still counted in tokens
     "sfi-lines-pages": Method("sfi-lines-pages", {"extra_boundaries": "line", "selection_page": 16}),
+    "sfi-lines-pages-topup": Method("sfi-lines-pages-topup", {"extra_boundaries": "line", "selection_page": 16,
+                                                              "topup_share": 0.25}),
     # the top-up chosen at every 8th sparse layer and reused by the next 7 (TidalDecode's idea)
     "sfi-topup-reused": Method("sfi-topup-reused", {"topup_share": 0.25, "topup_every": 8}),
     "streaming": Method("streaming", {"method": "streaming"}),
