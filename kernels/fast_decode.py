@@ -53,6 +53,17 @@ def _store_lse(Lse, offs, m, l, mask):
 
 
 @triton.jit
+def _attend_slots(q, K_cache, V_cache, slot, mask_n, mask_d, offs_d, h, stride_kcs, stride_kch, stride_vcs,
+                  stride_vch, m_i, l_i, acc, qk_scale_log2, IEEE: tl.constexpr):
+    """The online softmax's update with the K/V rows of pool slots `slot` [BLOCK_N] (KV head h)."""
+    mkd = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(K_cache + slot[:, None] * stride_kcs + h * stride_kch + offs_d[None, :], mask=mkd, other=0.0)
+    v = tl.load(V_cache + slot[:, None] * stride_vcs + h * stride_vch + offs_d[None, :], mask=mkd, other=0.0)
+    m_i, l_i, acc, _qk = _online_update(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _fast_decode_kernel(
     Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Win_start,
     Packed_k, Packed_v, Packed_len, qk_scale_log2,
@@ -112,12 +123,8 @@ def _fast_decode_kernel(
             pos = tl.where(offs_n < ns, offs_n, pos)
             mask_n = (offs_n < p_hi) & (pos >= 0)
             slot = tl.load(rt_row + pos, mask=mask_n, other=0).to(tl.int64)
-            mkd = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(K_cache + slot[:, None] * stride_kcs + h * stride_kch + offs_d[None, :],
-                        mask=mkd, other=0.0)
-            v = tl.load(V_cache + slot[:, None] * stride_vcs + h * stride_vch + offs_d[None, :],
-                        mask=mkd, other=0.0)
-            m_i, l_i, acc, _qk = _online_update(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, IEEE)
+            m_i, l_i, acc = _attend_slots(q, K_cache, V_cache, slot, mask_n, mask_d, offs_d, h, stride_kcs,
+                                          stride_kch, stride_vcs, stride_vch, m_i, l_i, acc, qk_scale_log2, IEEE)
     else:
         pk_base = Packed_k + pool * stride_pkr + h * stride_pkh
         pv_base = Packed_v + pool * stride_pvr + h * stride_pvh
@@ -137,12 +144,8 @@ def _fast_decode_kernel(
         offs_n = n0 + offs_nb
         mask_n = offs_n < w_hi
         slot = tl.load(rt_base + offs_n, mask=mask_n, other=0).to(tl.int64)
-        mkd = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K_cache + slot[:, None] * stride_kcs + h * stride_kch + offs_d[None, :],
-                    mask=mkd, other=0.0)
-        v = tl.load(V_cache + slot[:, None] * stride_vcs + h * stride_vch + offs_d[None, :],
-                    mask=mkd, other=0.0)
-        m_i, l_i, acc, _qk = _online_update(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, IEEE)
+        m_i, l_i, acc = _attend_slots(q, K_cache, V_cache, slot, mask_n, mask_d, offs_d, h, stride_kcs,
+                                      stride_kch, stride_vcs, stride_vch, m_i, l_i, acc, qk_scale_log2, IEEE)
 
     _write_result(Out, Mid_o, Mid_lse, b, s, hq, mask_g, offs_d, mask_d, m_i, l_i, acc,
                   stride_ob, stride_oh, n_kv * G, num_splits, D)
