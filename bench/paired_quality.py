@@ -25,7 +25,8 @@ from sfi_sglang.eval_stats import mean_ci, summary
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("result", help="a JSON written by `sfi-sglang eval quality`")
+    ap.add_argument("result", nargs="+", help="JSONs written by `sfi-sglang eval quality` (several: runs "
+                    "on the same texts, whose rows are paired by each text's source and start)")
     ap.add_argument("--against", default="quest", help="the reference method")
     ap.add_argument("--price", help="a refresh curve JSON (bench/plot_refresh.py)")
     ap.add_argument("--price-context", type=int, default=8000)
@@ -33,11 +34,11 @@ def main() -> None:
                     default=["bench/results/adaptive_h200_interval.json",
                              "bench/results/adaptive_h200_adaptive.json"])
     args = ap.parse_args()
-    rows = json.load(open(args.result))["rows"]
+    rows = [r for path in args.result for r in json.load(open(path))["rows"]]
     by: dict[tuple, dict] = {}
     for r in rows:
         if r["kind"] == "teacher_forced":
-            by.setdefault((r["context"], r["retention"], r["method"]), {})[r["text"]] = r
+            by.setdefault((r["context"], r["retention"], r["method"]), {})[(r["source"], r["start"])] = r
 
     def ci(values, scale=1.0, fmt="+.4f"):
         m, lo, hi = mean_ci(values)
