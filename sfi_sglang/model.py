@@ -126,6 +126,29 @@ def assemble(model: GGUFModel, dst: Path) -> Path:
                 if h.hexdigest() != part.sha256:
                     raise RuntimeError(f"{path}: sha256 {h.hexdigest()} is not the recorded "
                                        f"{part.sha256}; reinstall with: {model.install} --force-reinstall")
+    return _check_count(model, out)
+
+
+def check_joined(model: GGUFModel, path: Path) -> Path:
+    """A model's GGUF file joined elsewhere (e.g. carried to a machine without its packages in
+    pieces): its size, each package part's stretch against the recorded sha256, and the
+    header's tensor count. Raises RuntimeError naming what does not match."""
+    if not path.is_file() or path.stat().st_size != model.size:
+        raise RuntimeError(f"{path} is missing or not {model.size} bytes")
+    with open(path, "rb") as r:
+        for i, part in enumerate(model.parts):
+            h, left = hashlib.sha256(), part.size
+            while left:
+                block = r.read(min(left, 1 << 22))
+                h.update(block)
+                left -= len(block)
+            if h.hexdigest() != part.sha256:
+                raise RuntimeError(f"{path}: bytes of part {i + 1} ({part.package}) have sha256 "
+                                   f"{h.hexdigest()}, not the recorded {part.sha256}")
+    return _check_count(model, path)
+
+
+def _check_count(model: GGUFModel, out: Path) -> Path:
     count = gguf_tensor_count(out)
     if count != model.tensors:
         raise RuntimeError(f"{out}: the GGUF header holds {count} tensors, not {model.tensors}: "
@@ -133,8 +156,9 @@ def assemble(model: GGUFModel, dst: Path) -> Path:
     return out
 
 
-def model_path(name: str = DEFAULT_MODEL) -> str:
-    """The folder of a named model (MODELS), converting it on first use."""
+def model_path(name: str = DEFAULT_MODEL, gguf: Optional[Path] = None) -> str:
+    """The folder of a named model (MODELS), converting it on first use: from its installed
+    packages, or from `gguf`, its file joined elsewhere (check_joined)."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     model = MODELS[name]
@@ -145,7 +169,7 @@ def model_path(name: str = DEFAULT_MODEL) -> str:
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    src = assemble(model, tmp)
+    src = assemble(model, tmp) if gguf is None else check_joined(model, Path(gguf))
     _convert(src, tmp / "hf", model.dtype)
     if src.parent == tmp:
         src.unlink()  # the joined parts: only the converted folder is kept

@@ -77,6 +77,23 @@ def test_parts_are_checked_and_joined_in_order(tmp_path, monkeypatch):
         M.assemble(missing, tmp_path / "a")
 
 
+def test_a_gguf_joined_elsewhere_is_checked_part_by_part(tmp_path, monkeypatch):
+    """check_joined: the GGUF carried in pieces and joined on another machine passes when
+    its bytes are the packages' parts in order; a changed byte names its part, a short file
+    its size."""
+    parts, data = _fake_parts(tmp_path, monkeypatch, tensors=7)
+    model = M.GGUFModel("fake", tuple(parts), "pip install fake", tensors=7)
+    joined = tmp_path / "joined.gguf"
+    joined.write_bytes(data)
+    assert M.check_joined(model, joined) == joined
+    joined.write_bytes(data[:700] + b"x" + data[701:])
+    with pytest.raises(RuntimeError, match="part 2"):
+        M.check_joined(model, joined)
+    joined.write_bytes(data[:-1])
+    with pytest.raises(RuntimeError, match=f"not {len(data)} bytes"):
+        M.check_joined(model, joined)
+
+
 def test_named_models_resolve_and_unknown_names_pass_through(qwen_path):
     assert M.resolve_model_path(NAME) == qwen_path
     assert M.resolve_model_path(None) == M.default_model_path()
