@@ -140,6 +140,22 @@ def test_graph_servers_take_only_device_path_options(monkeypatch, opts, ok):
             request_config(server, params)
 
 
+def test_reference_only_request_options_need_the_cpu_engine(monkeypatch):
+    """The top-up and whole-page selection per request: taken by the CPU engine's eager
+    server (REFERENCE_ENV "1"), refused with what they need on a GPU server (the packed
+    Triton path would not read them)."""
+    from sfi_sglang.method.config import SFIConfigError
+    from sfi_sglang.method.options import EAGER_ENV, REFERENCE_ENV, request_config
+
+    monkeypatch.setenv(EAGER_ENV, "1")
+    for opts in ({"topup_pages": 2}, {"selection_page": 16}):
+        monkeypatch.setenv(REFERENCE_ENV, "1")
+        assert request_config(SFIConfig(), {"sfi": opts})[1] != SFIConfig()
+        monkeypatch.setenv(REFERENCE_ENV, "0")
+        with pytest.raises(SFIConfigError, match="torch reference of SGLang's CPU engine"):
+            request_config(SFIConfig(), {"sfi": opts})
+
+
 def test_clients_cannot_set_the_internal_boundary_ids_key():
     """custom_params["sfi_extra_boundary_ids"] is what the tokenizer side resolves a
     request's extra_boundaries spec into; a client that sets it gets a 400 (SFIConfigError),

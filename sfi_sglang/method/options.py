@@ -14,6 +14,9 @@ from sfi_sglang.method.config import SFIConfig, SFIConfigError
 # Set (to "1") by sfi_sglang.engine when the server runs its decode steps eagerly (no CUDA
 # graphs): only then may a request use options that the device-side step cannot serve.
 EAGER_ENV = "SFI_SGLANG_EAGER_DECODE"
+# Set by sfi_sglang.engine.launch_kwargs to "1" on the CPU engine, whose memory is the torch
+# reference: only there may a request use the reference-only options (reference_only).
+REFERENCE_ENV = "SFI_SGLANG_TORCH_REFERENCE"
 # Per-request options the device-side decode step serves (per-slot tensors: the trigger
 # policy's counters, the SFI switch, dense layers beyond the server's).
 DEVICE_OPTIONS = frozenset({"min_gap", "cooldown", "max_interval", "refresh", "adaptive_threshold",
@@ -89,6 +92,9 @@ def request_config(server: SFIConfig, custom_params,
         if overrides.get(name, getattr(server, name)) != getattr(server, name):
             raise SFIConfigError(f'custom_params["sfi"]["{name}"] cannot differ from the server\'s '
                                  f"--sfi-{name.replace('_', '-')}")
+    if reference_only(cfg) and os.environ.get(REFERENCE_ENV) != "1":
+        raise SFIConfigError(f'custom_params["sfi"]: {", ".join(reference_only(cfg))} run only in '
+                             "the torch reference of SGLang's CPU engine, for now")
     if not on_device_path(cfg, server) and os.environ.get(EAGER_ENV) != "1":
         other = sorted(k for k in overrides if k not in DEVICE_OPTIONS)
         what = (f"option(s) {', '.join(other)}" if other
