@@ -62,32 +62,35 @@ sys.path.insert(0, "bench")
 import harness as bench
 from sfi_sglang.method.config import SFIConfig
 
-packed = sys.argv[1] != "reference"
-torch.manual_seed(0)
-cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=(0,), refresh="interval",
-                max_interval=3, min_gap=1, fast_path="triton-pool" if sys.argv[1] == "pool" else "triton")
-model = bench.DummyModel(bench.SHAPES["tiny"], torch.float32, "cpu")
-s = model.s
-st = bench.Setup(model, cfg, 70, 3, 8, "cpu", torch.float32, packed=packed)
-mem = st.sfi.memory
-assert mem.packed == packed
-st.reset(torch.tensor([5, 7, 11]))
-st.sfi.step.dense[st.fb.req_pool_indices[1], 2] = True  # a row with its own dense layer 2
-record = []
-for step in range(6):
-    st.sfi.init_forward_metadata(st.fb)
-    slow = st.sfi.meta.rows.slow.clone()
-    g = torch.Generator().manual_seed(100 + step)
-    per_layer = []
-    for L in model.layers:
-        q = torch.randn(3, s.heads * s.head_dim, generator=g)
-        k = torch.randn(3, s.kv_heads, s.head_dim, generator=g)
-        v = torch.randn(3, s.kv_heads, s.head_dim, generator=g)
-        per_layer.append(st.sfi.forward_decode(q, k, v, L.attn, st.fb))
-    record.append({"slow": slow, "out": torch.stack(per_layer), "sel_pos": mem.sel_pos.clone(),
-                   "sel_count": mem.sel_count.clone()})
-    st.advance(torch.tensor([1, 2, 3]))
-torch.save(record, sys.argv[2])
+packed = sys.argv[1] == "kernel"
+records = {}
+# the kernel process runs both Triton fast paths: the packed copy and the pool read in place
+for fast_path in (("triton", "triton-pool") if packed else ("reference",)):
+    torch.manual_seed(0)
+    cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=(0,), refresh="interval",
+                    max_interval=3, min_gap=1, fast_path="triton" if fast_path == "reference" else fast_path)
+    model = bench.DummyModel(bench.SHAPES["tiny"], torch.float32, "cpu")
+    s = model.s
+    st = bench.Setup(model, cfg, 70, 3, 8, "cpu", torch.float32, packed=packed)
+    mem = st.sfi.memory
+    assert mem.packed == packed
+    st.reset(torch.tensor([5, 7, 11]))
+    st.sfi.step.dense[st.fb.req_pool_indices[1], 2] = True  # a row with its own dense layer 2
+    record = records[fast_path] = []
+    for step in range(6):
+        st.sfi.init_forward_metadata(st.fb)
+        slow = st.sfi.meta.rows.slow.clone()
+        g = torch.Generator().manual_seed(100 + step)
+        per_layer = []
+        for L in model.layers:
+            q = torch.randn(3, s.heads * s.head_dim, generator=g)
+            k = torch.randn(3, s.kv_heads, s.head_dim, generator=g)
+            v = torch.randn(3, s.kv_heads, s.head_dim, generator=g)
+            per_layer.append(st.sfi.forward_decode(q, k, v, L.attn, st.fb))
+        record.append({"slow": slow, "out": torch.stack(per_layer), "sel_pos": mem.sel_pos.clone(),
+                       "sel_count": mem.sel_count.clone()})
+        st.advance(torch.tensor([1, 2, 3]))
+torch.save(records, sys.argv[2])
 print("OK")
 """
 
@@ -102,17 +105,17 @@ def test_backend_kernel_path_equals_reference_path(tmp_path):
     import torch
 
     records = {}
-    for path, interpret in (("reference", "0"), ("kernel", "1"), ("pool", "1")):
+    for path, interpret in (("reference", "0"), ("kernel", "1")):
         out = tmp_path / f"{path}.pt"
         env = dict(os.environ, TRITON_INTERPRET=interpret)
         r = subprocess.run([sys.executable, "-c", _KERNEL_VS_REFERENCE, path, str(out)], capture_output=True,
                            text=True, timeout=900, cwd=str(_REPO), env=env)
         assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
-        records[path] = torch.load(out)
+        records.update(torch.load(out))
     kinds = set()
     for step, ref in enumerate(records["reference"]):
         kinds |= {"slow" if x else "fast" for x in ref["slow"].tolist()}
-        for path in ("kernel", "pool"):
+        for path in ("triton", "triton-pool"):
             ker = records[path][step]
             assert torch.equal(ref["slow"], ker["slow"]), (path, step)
             err = ((ref["out"] - ker["out"]).norm() / ref["out"].norm()).item()
