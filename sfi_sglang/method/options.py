@@ -9,7 +9,7 @@ from typing import Optional
 
 import os
 
-from sfi_sglang.method.config import SFIConfig, SFIConfigError
+from sfi_sglang.method.config import SFIConfig, SFIConfigError, cli_name
 
 # Set (to "1") by sfi_sglang.engine when the server runs its decode steps eagerly (no CUDA
 # graphs): only then may a request use options that the device-side step cannot serve.
@@ -130,8 +130,7 @@ def on_device_path(cfg: SFIConfig, server: SFIConfig) -> bool:
 def reference_only(cfg: SFIConfig) -> list[str]:
     """The options of cfg that only the torch reference runs (baselines.HostPath, eager
     decode steps), as flags: the top-up and page-granular selection."""
-    return [f"--sfi-{f.replace('_', '-')}" for f, off in (("topup_pages", 0), ("selection_page", 1))
-            if getattr(cfg, f) != off]
+    return [cli_name(f) for f, off in (("topup_pages", 0), ("selection_page", 1)) if getattr(cfg, f) != off]
 
 
 def _json_type(value) -> str:
