@@ -134,6 +134,8 @@ METHODS = {
                                                               "topup_share": 0.25}),
     # the top-up chosen at every 8th sparse layer and reused by the next 7 (TidalDecode's idea)
     "sfi-topup-reused": Method("sfi-topup-reused", {"topup_share": 0.25, "topup_every": 8}),
+    "sfi-lines-pages-topup-reused": Method("sfi-lines-pages-topup-reused", {
+        "extra_boundaries": "line", "selection_page": 16, "topup_share": 0.25, "topup_every": 8}),
     "streaming": Method("streaming", {"method": "streaming"}),
     "snapkv": Method("snapkv", {"method": "snapkv"}),
     "quest": Method("quest", {"method": "quest"}),
