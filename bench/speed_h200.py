@@ -23,6 +23,8 @@ Two parts, one process:
                     place from the pool: no packed copy, so its pool holds more sequences)
      sfi-fi         the same with --sfi-dense-backend flashinfer (prefill, dense layers and
                     SFI-off rows on FlashInfer; carry .fi)
+     sfi-below      sfi-fi with --sfi-dense-below (--dense-below): steps whose batch holds
+                    fewer tokens beyond its sparse memories run FlashInfer's dense decode alone
 
 CONTEXTxmax: each engine at the largest batch its own KV pool holds. The engine captures
 decode graphs at 1, 8 and steps of an eighth of an upper bound on that batch (the
@@ -243,8 +245,10 @@ def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) 
         suffix = f"s{caps['best']}"
     if name == "sfi-pool":  # the fast kernel reads the pool in place (no packed copy)
         kw["sfi_fast_path"] = "triton-pool"
-    elif name == "sfi-fi":  # prefill, dense layers and SFI-off rows on FlashInfer
+    elif name in ("sfi-fi", "sfi-below"):  # prefill, dense layers and SFI-off rows on FlashInfer
         kw["sfi_dense_backend"] = "flashinfer"
+        if name == "sfi-below":  # and short batches' whole steps
+            kw["sfi_dense_below"] = args.dense_below
     elif suffix == "flashinfer":
         kw["attention_backend"] = "flashinfer"
     elif suffix.startswith("s") and suffix[1:].isdigit():
@@ -267,6 +271,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--slow-every", type=int, default=24)
     p.add_argument("--mem-fraction", type=float, default=0.8)
+    p.add_argument("--dense-below", type=int, default=16384, help="the sfi-below engine's --sfi-dense-below")
     p.add_argument("--deadline-s", type=float, default=560, help="launch no engine after this")
     p.add_argument("--tokenizer", default=os.environ.get("SFI_TOKENIZER_DIR", ""))
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))

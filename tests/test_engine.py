@@ -172,6 +172,7 @@ def test_host_path_slow_steps_are_dense_steps(engine, dense, prompts):
     ({"budget": 100000}, "exceeds"),
     ({"sinks": 8}, "cannot differ"),
     ({"fast_path": "flashinfer"}, "cannot differ from the server.s --sfi-fast-path"),
+    ({"dense_below": 5}, "cannot differ from the server.s --sfi-dense-below"),
     ({"no_such_option": 1}, "no_such_option"),
     ({"enabled": "yes"}, "enabled"),
     ("fast please", "must be a JSON object, got a string"),
@@ -213,3 +214,52 @@ def test_cpu_dense_extend_after_a_prefix_is_sglangs_to_the_bit():
     got = PrefixExtendTorchNative._run_sdpa_forward_extend(object.__new__(PrefixExtendTorchNative), q,
                                                            torch.full_like(q, float("nan")), *args, **kw)
     assert torch.equal(got, want)
+
+
+def test_dense_below_runs_short_batches_dense_then_refreshes(dense, prompts, tokenizer):
+    """--sfi-dense-below: a step whose batch holds fewer tokens beyond S + W + K than the
+    threshold runs the dense backend alone (dense's tokens, counted as dense steps); a
+    request's first SFI step after them is slow (its memory is behind), then it runs fast."""
+    n0 = len(tokenizer.encode(prompts["long"]))
+    # decode step j has n0 + j tokens: steps 1..11 hold fewer than n0 - S - W - K + 12 beyond
+    engine = start_engine(**SFI, sfi_dense_below=n0 - CFG.memory_tokens() + 12)
+    try:
+        out = engine.generate(prompts["long"], {**GREEDY, "max_new_tokens": 64, "ignore_eos": True})
+        fit = engine.generate(prompts["fit"][1], {**GREEDY, "max_new_tokens": FIT_NEW})
+    finally:
+        engine.shutdown()
+    ids, sfi = out["output_ids"], out["meta_info"]["sfi"]
+    n_dense = sfi["dense_steps"]
+    assert 8 <= n_dense <= 14, sfi
+    assert sfi["fast_steps"] + sfi["slow_steps"] + n_dense == len(ids) - 1
+    assert sfi["slow_at"][0] == n_dense + 1 and sfi["fast_steps"] > 30, sfi
+    # the prefill's token, the dense steps' and the slow step's are dense's
+    assert ids[:n_dense + 2] == dense["long"][:n_dense + 2]
+    # a context within S + W + K never goes sparse: every step dense
+    sfi = fit["meta_info"]["sfi"]
+    assert sfi["dense_steps"] == len(fit["output_ids"]) - 1 and sfi["fast_steps"] == sfi["slow_steps"] == 0
+    assert fit["output_ids"] == dense["fit_single"][1]
+
+
+def test_dense_below_graph_variants(engine, model_path):
+    """SGLang's decode graph runner gets the `sfi` backend's two graphs per batch size
+    (hooks._sfi_graph_variants) and a replay picks by the tokens beyond S + W + K."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.runner import decode_cuda_graph_runner as runner
+    from transformers import AutoConfig
+
+    from sfi_sglang.integration import state
+    from sfi_sglang.integration.backend import DENSE_VARIANT, SFI_VARIANT, SFIGraphVariants
+
+    variants = SFIGraphVariants(CFG.memory_tokens(), 100)
+    pick = lambda lens: variants.select(SimpleNamespace(seq_lens_cpu=None if lens is None else torch.tensor(lens)))  # noqa: E731
+    assert pick([324, 100]) == pick([423]) == pick([300, 423]) == DENSE_VARIANT  # 0, 99, 99 beyond
+    assert pick([424]) == pick([374, 374]) == pick(None) == SFI_VARIANT  # 100, 50 + 50; no lengths
+    hf_config = AutoConfig.from_pretrained(model_path)
+    assert runner.create_attention_graph_variants(hf_config) is None  # no backend here: SGLang's
+    state.BACKENDS.append(SimpleNamespace(graph_variants=lambda: variants))
+    try:
+        assert runner.create_attention_graph_variants(hf_config) is variants
+    finally:
+        state.BACKENDS.pop()

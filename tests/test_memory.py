@@ -277,7 +277,7 @@ def test_reset_store_and_bytes():
     Hkv, D = 2, 8
     mem = SparseMemory(3, [1, 2], 5, Hkv, D, CFG, DEV, torch.float16, packed=False)
     L, M, K = 2, 5, CFG.budget
-    assert mem.bytes() == L * M * Hkv * K * 4 + M * 4 + M * 8 + M * 4 + M * 8 + M * 2 * 8
+    assert mem.bytes() == L * M * Hkv * K * 4 + M * 4 + M * 8 + M * 4 + M * 8 + M * 3 * 8
     st, gen = make_pool([70, 30], Hkv, 1, D, max_slots=5)
     pos, cnt, ws = selection(CFG, [70, 30], Hkv, gen, k=5)
     mem.store(2, st["rpi"], pos, cnt, ws, st["k"], st["v"], st["rtt"])
@@ -487,9 +487,9 @@ def test_export_import_and_step_counters():
     slots = torch.tensor([src, dst])
     mem.count_steps(slots, torch.tensor([True, True]), torch.tensor([False, True]))
     mem.count_steps(slots, torch.tensor([True, False]), torch.tensor([False, False]))
-    assert mem.counts[src].tolist() == [2, 0] and mem.counts[dst].tolist() == [1, 1]
+    assert mem.counts[src].tolist() == [2, 0, 0] and mem.counts[dst].tolist() == [1, 1, 0]
     mem.reset([src])
-    assert mem.counts[src].tolist() == [0, 0] and int(mem.sel_count[src]) == 0
+    assert mem.counts[src].tolist() == [0, 0, 0] and int(mem.sel_count[src]) == 0
 
 
 @kernel_test

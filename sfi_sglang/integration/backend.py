@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -50,13 +51,16 @@ from sfi_sglang.method.config import server_config
 from sfi_sglang.method.memory import NO_WINDOW, SparseMemory
 from sfi_sglang.method.options import EXTRA_IDS_KEY
 from sfi_sglang.method.selector import KeyNorms, Selection
-from sfi_sglang.method.step import ScoreBuffers, StepMetadata, StepPlan
+from sfi_sglang.method.step import ScoreBuffers, StepMetadata, StepPlan, dense_step
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 logger = logging.getLogger(__name__)
+
+# the two decode graphs of each captured batch size under --sfi-dense-below (SFIGraphVariants)
+DENSE_VARIANT, SFI_VARIANT = "sfi-dense", "sfi"
 
 
 class SFIAttnBackend(AttentionBackend):
@@ -174,8 +178,11 @@ class SFIAttnBackend(AttentionBackend):
                 lens = forward_batch.seq_lens if lens is None else lens
                 meta.ref_len = int(lens.max()) if lens.numel() else 0
             rids = getattr(forward_batch, "rids", None)
-            if rids:
-                meta.host_rows = self.slots.host_rows(rids)
+            host_rows = self.slots.host_rows(rids) if rids else []
+            # host-path rows (eager steps) keep their own memories: such a step stays SFI's
+            meta.dense_step = not host_rows and self._dense_step(forward_batch)
+            if rids and not meta.dense_step:
+                meta.host_rows = host_rows
                 if meta.host_rows and not self.memory.packed:
                     meta.host_only = self._host_only(meta.host_rows, len(rids))
                 info = getattr(forward_batch, "sampling_info", None)
@@ -184,6 +191,26 @@ class SFIAttnBackend(AttentionBackend):
                 meta.extra_rows = extra_boundary_rows(forward_batch.input_ids, extra, grammars)
         elif mode.is_extend() and not mode.is_mixed():
             self.slots.start_requests(forward_batch)
+
+    def _dense_step(self, forward_batch) -> bool:
+        """Whether this decode step runs the dense backend alone (--sfi-dense-below): while
+        a decode graph is captured, the variant being captured says; otherwise the lengths
+        do, as SFIGraphVariants.select decides which graph a replay runs."""
+        if self.cfg.dense_below <= 0:
+            return False
+        from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_attention_variant
+
+        variant = get_capture_attention_variant()
+        if variant in (DENSE_VARIANT, SFI_VARIANT):
+            return variant == DENSE_VARIANT
+        return self.graph_variants().select(forward_batch) == DENSE_VARIANT
+
+    def graph_variants(self):
+        """SGLang's decode-graph variants for this backend (hooks._sfi_graph_variants), or
+        None: one graph per batch size."""
+        if self.cfg.dense_below <= 0:
+            return None
+        return SFIGraphVariants(self.cfg.memory_tokens(), self.cfg.dense_below)
 
     def _host_only(self, host_rows, batch: int) -> torch.Tensor:
         """[L, B]: the host rows at the layers they do not keep dense, where their own pass
@@ -208,6 +235,12 @@ class SFIAttnBackend(AttentionBackend):
         batched Selector's score buffer and, eagerly, the FlashInfer fast path's plan."""
         meta = self.meta
         slots = forward_batch.req_pool_indices
+        if meta.dense_step:  # the layers run the dense backend alone (forward_decode)
+            on = self.step.sfi[slots.to(torch.int64)] & (slots != 0)
+            self.step.skip(slots)
+            self.memory.count_steps(slots, torch.zeros_like(on), torch.zeros_like(on), on)
+            meta.rows = None
+            return
         force_dense = None
         if meta.host_rows:
             force_dense = torch.zeros(slots.shape[0], dtype=torch.bool)
@@ -308,6 +341,24 @@ class SFIAttnBackend(AttentionBackend):
         if batched is not None and lid == self.sparse_ids[-1]:
             graph_if.run_if(rows.any_slow, lambda: self.selection.layers(slots, rows.slow_l, batched, seq_lens))
         return o
+
+
+@dataclass(frozen=True)
+class SFIGraphVariants:
+    """SGLang's AttentionGraphVariants protocol (sglang.srt.layers.attention.graph_variants)
+    for --sfi-dense-below: SGLang's decode graph runner captures, per batch size, a graph of
+    the dense step (the dense backend alone) and one of SFI's, and each replay runs the one
+    `select` names, from SGLang's host copy of the lengths (as it does for DSA's dense and
+    sparse decode graphs)."""
+
+    memory_tokens: int
+    below: int
+    # the dense graph first: SFI's capture peak covers its share of the graph memory pool
+    capture_labels: ClassVar[tuple[str, ...]] = (DENSE_VARIANT, SFI_VARIANT)
+
+    def select(self, forward_batch) -> str:
+        lens = getattr(forward_batch, "seq_lens_cpu", None)
+        return DENSE_VARIANT if dense_step(lens, self.memory_tokens, self.below) else SFI_VARIANT
 
 
 def _attention_scaling(model_runner, head_dim: int) -> float:

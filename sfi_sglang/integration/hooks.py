@@ -18,6 +18,7 @@ SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 DP_CONTROLLER = "sglang.srt.managers.data_parallel_controller.DataParallelController"
+DECODE_GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
 
 META_KEY = "sfi"
 
@@ -64,6 +65,8 @@ def install() -> None:
     HookRegistry.register(f"{MODEL_RUNNER}.maybe_enable_batch_invariant_mode",
                           _batch_invariant_mode, HookType.AROUND)
     HookRegistry.register(f"{DP_CONTROLLER}.event_loop", _dp_controller_sleeps_on_idle, HookType.AROUND)
+    HookRegistry.register(f"{DECODE_GRAPH_RUNNER}.create_attention_graph_variants", _sfi_graph_variants,
+                          HookType.AROUND)
     # Under sgl_kernel's torch stand-in (a GPU without sglang-kernel, SFI_SGLANG_TORCH_KERNELS):
     # every CUDA model's MLP asks the CUTLASS DSL module whether its SM100 dual GEMM applies,
     # importing the nvidia-cutlass-dsl package that comes with sglang-kernel's stack. Without
@@ -73,6 +76,20 @@ def install() -> None:
     if os.environ.get("SFI_SGLANG_TORCH_KERNELS") == "1":
         HookRegistry.register("sglang.srt.layers.dual_gemm.DualGemm._select_mode",
                               _no_dual_gemm_without_cutlass, HookType.AROUND)
+
+
+def _sfi_graph_variants(original, *args, **kwargs):
+    """--sfi-dense-below: SGLang's decode graph runner captures a graph per batch size and
+    attention variant and picks one per replay (DSA's dense and sparse decode), but asks for
+    the variants from the model's config alone (create_attention_graph_variants, no backend
+    hook); the `sfi` backend of this process supplies its own where the model has none."""
+    variants = original(*args, **kwargs)
+    from sfi_sglang.integration import state
+
+    backend = state.active()
+    if variants is None and backend is not None:
+        variants = backend.graph_variants()
+    return variants
 
 
 def _dp_controller_sleeps_on_idle(original, self):

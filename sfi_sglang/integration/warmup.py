@@ -35,7 +35,7 @@ def warm_up(backend) -> None:
               # the last one runs the batched Selector; the adaptive trigger's write their LSE
               for i in sorted({sparse[0], sparse[-1], *backend.monitor.layers})]
     width = backend.req_to_token_pool.req_to_token.shape[1]
-    long = cfg.sinks + cfg.window + cfg.budget + 32
+    long = cfg.memory_tokens() + 32
     lengths = sorted({min(n, width) for n in (511, 496, long - 1, long)})
     zeros = lambda *shape, dt=torch.long: torch.zeros(*shape, dtype=dt, device=dev)
     slots = torch.tensor([1, 2], device=dev)

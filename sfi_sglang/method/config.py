@@ -122,6 +122,12 @@ class SFIConfig:
     # and SFI-off rows. "auto": SGLang's triton on CUDA, torch_native on the CPU engine;
     # "triton"; "flashinfer" (CUDA, needs flashinfer)
     dense_backend: str = "auto"
+    # a decode step runs the dense backend alone, at every layer and row, while its batch
+    # holds fewer than this many tokens beyond its rows' sparse memories: sum over the rows
+    # of max(0, context - sinks - window - budget). Where SFI cannot win (short contexts,
+    # small batches) it then costs what dense costs; a row's first sparse step after dense
+    # ones is slow (a fresh selection). Server-wide; 0 = never (SFI at every step)
+    dense_below: int = 0
 
     def __post_init__(self):
         # Normalise convenient input forms (CLI strings, JSON lists, ints for floats).
@@ -141,6 +147,10 @@ class SFIConfig:
         """The layers of a num_layers-layer model that run SFI (all but dense_layers)."""
         return [lid for lid in range(num_layers) if lid not in self.dense_layers]
 
+    def memory_tokens(self) -> int:
+        """S + W + K: the positions a fast step reads per layer and KV head, at most."""
+        return self.sinks + self.window + self.budget
+
     # ---------------------------------------------------------------- validation
     def validate(self) -> None:
         def bad(name, what):
@@ -157,7 +167,7 @@ class SFIConfig:
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 bad(name, "a positive integer")
-        for name in ("sinks", "cooldown", "nms_radius", "pool_radius", "topup_pages"):
+        for name in ("sinks", "cooldown", "nms_radius", "pool_radius", "topup_pages", "dense_below"):
             v = getattr(self, name)
             if not is_int(v) or v < 0:
                 bad(name, "a non-negative integer")

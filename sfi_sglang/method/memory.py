@@ -54,7 +54,9 @@ class SparseMemory:
                                     packed path's window then starts at n_sinks when it is
                                     < S, so short contexts grow into the sinks correctly
       fast_ws   [max_slots] int64   the packed path's window start, set by `store`
-      counts    [max_slots, 2] int64  fast and slow decode steps of the slot's request
+      counts    [max_slots, 3] int64  fast, slow and dense decode steps of the slot's
+                                    request (dense: steps the whole batch ran dense,
+                                    --sfi-dense-below)
     the Triton fast paths add
       packed_len [max_slots] int32  = n_sinks + sel_count
     and fast_path "triton" also
@@ -90,7 +92,7 @@ class SparseMemory:
         self.n_sinks = torch.zeros(M, dtype=torch.int32, device=dev)
         # window start of the packed path, precomputed at store (one gather per fast step)
         self.fast_ws = torch.zeros(M, dtype=torch.int64, device=dev)
-        self.counts = torch.zeros(M, 2, dtype=torch.int64, device=dev)
+        self.counts = torch.zeros(M, 3, dtype=torch.int64, device=dev)
         self.packed_k: list[torch.Tensor] = []
         self.packed_v: list[torch.Tensor] = []
         self.packed_len = None
@@ -145,11 +147,13 @@ class SparseMemory:
         if self.packed_len is not None:
             self.packed_len[s] = 0
 
-    def count_steps(self, slots: torch.Tensor, fast: torch.Tensor, slow: torch.Tensor) -> None:
-        """One decode step of the requests in `slots` [B]: fast [B] and slow [B] bool say
+    def count_steps(self, slots: torch.Tensor, fast: torch.Tensor, slow: torch.Tensor,
+                    dense: torch.Tensor | None = None) -> None:
+        """One decode step of the requests in `slots` [B]: fast, slow and dense [B] bool say
         which rows were which (no host sync; slots are distinct but for padding slot 0)."""
         s = self._slots(slots)
-        self.counts[s] = self.counts[s] + torch.stack([fast, slow], 1).to(torch.int64)
+        dense = torch.zeros_like(fast) if dense is None else dense
+        self.counts[s] = self.counts[s] + torch.stack([fast, slow, dense], 1).to(torch.int64)
 
     def export(self, slot: int):
         """(positions [L_sparse, H_kv, K] int32, count, win_start) of a slot's selection:

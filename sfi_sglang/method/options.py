@@ -88,7 +88,8 @@ def request_config(server: SFIConfig, custom_params,
     if cfg.refresh == "adaptive" and server.refresh != "adaptive":
         raise SFIConfigError('custom_params["sfi"]["refresh"] adaptive needs a server launched with '
                              "--sfi-refresh adaptive (its fast steps then report what the trigger reads)")
-    for name in ("boundaries", "fast_path", "dense_backend"):  # server-wide: one table, one kernel
+    # server-wide: one table, one kernel, one decision per step
+    for name in ("boundaries", "fast_path", "dense_backend", "dense_below"):
         if overrides.get(name, getattr(server, name)) != getattr(server, name):
             raise SFIConfigError(f'custom_params["sfi"]["{name}"] cannot differ from the server\'s '
                                  f"--sfi-{name.replace('_', '-')}")

@@ -103,6 +103,14 @@ class StepPlan:
         return steps, self.slow_log[slot, :min(n, SLOW_LOG)].tolist()
 
     # ------------------------------------------------------------------ device side
+    def skip(self, slots: torch.Tensor) -> None:
+        """A decode step the whole batch ran dense (dense_step): each row's step is counted,
+        and its memory, behind by this token, is refreshed at its next SFI step (a slow step,
+        as a row without a selection). Device ops, no host sync: CUDA-graph capturable."""
+        slots = slots.to(torch.int64)
+        self.steps[slots] = self.steps[slots] + 1
+        self.has_sel[slots] = self.has_sel[slots] & (slots == 0)  # padding slot 0 keeps its own
+
     def begin(self, input_ids: torch.Tensor, slots: torch.Tensor, force_dense=None) -> Rows:
         """Decide this step's rows from the input tokens (the tokens just sampled). No host
         sync, static shapes: CUDA-graph capturable. force_dense [B] bool, optional: rows
@@ -128,13 +136,24 @@ class StepPlan:
                          slow_l=(slow[:, None] & ~dense).t().contiguous(), any_slow=slow.any())
 
 
+def dense_step(seq_lens_cpu: Optional[torch.Tensor], memory_tokens: int, below: int) -> bool:
+    """Whether a decode step runs the dense backend alone (--sfi-dense-below): its rows hold
+    fewer than `below` tokens beyond their sparse memories, sum of max(0, context -
+    memory_tokens). Decided on the host from SGLang's host copy of the lengths (no sync);
+    without it, SFI."""
+    if below <= 0 or seq_lens_cpu is None or seq_lens_cpu.numel() == 0:
+        return False
+    return int((seq_lens_cpu.to(torch.int64) - memory_tokens).clamp(min=0).sum()) < below
+
+
 @dataclass
 class StepMetadata:
     """One forward's SFI metadata, built once before the first layer (the backend's
     init_forward_metadata, or its out-graph / in-graph halves around a CUDA graph) and only
     read by the layers; the sibling of the dense backends' ForwardMetadata."""
 
-    rows: Optional[Rows] = None  # the step plan's rows (None: not a decode step)
+    rows: Optional[Rows] = None  # the step plan's rows (None: not a decode step, or a dense one)
+    dense_step: bool = False  # a decode step the dense backend runs alone (dense_step)
     # (batch row, slot, Request) of rows on the host path (eager steps only)
     host_rows: list = field(default_factory=list)
     # batch rows whose input token is a per-request boundary (host; eager steps only)
