@@ -245,6 +245,9 @@ def run(args, plan: dict) -> dict:
                                **({"sfi_refresh": "adaptive"} if adaptive else {}),
                                enable_custom_logit_processor=True,
                                mem_fraction_static=args.mem_fraction_static,
+                               # a long context's prefill on 2 CPU cores, or a run paused
+                               # for a while, is not a hung scheduler (SGLang's 300 s)
+                               watchdog_timeout=3600,
                                # every method is a per-request config (budget, window, method):
                                # the host path of sfi_sglang.method.options, eager decode steps only
                                disable_cuda_graph=True)
