@@ -143,7 +143,15 @@ class SFIAttnBackend(AttentionBackend):
         self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
-        self.dense.init_forward_metadata_out_graph(forward_batch, in_capture)
+        # Under --sfi-dense-below each batch size is captured twice (SFIGraphVariants, the
+        # dense graph first): the dense backend makes its capture-time metadata at the first
+        # and plans into it for the second, as for a replay, so both graphs read the same
+        # buffers (FlashInfer makes new decode wrappers at every capture, and the first
+        # graph would read the freed ones)
+        from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_attention_variant
+
+        again = in_capture and self.cfg.dense_below > 0 and get_capture_attention_variant() == SFI_VARIANT
+        self.dense.init_forward_metadata_out_graph(forward_batch, in_capture and not again)
         self._host_metadata(forward_batch)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
