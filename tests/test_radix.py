@@ -74,6 +74,7 @@ def test_sfi_memory_comes_out_of_sglang_budget(server):
     assert m["allocated_slots"] == m["slots"] == 65
     # the key norms follow the pool's token count (+ SGLang's padding token): 1 MiB slack
     assert 0 < m["allocated"] <= m["reserved"] + 2**20 and m["reserved"] < m["available"]
+    assert 0 < m["pool_of_dense"] == round(m["kv_budget"] / m["available"], 4) < 1
 
 
 def test_multi_turn_chat_reuses_turn_one_memory_and_equals_dense(server, tokenizer):

@@ -177,7 +177,9 @@ def _reserve_sfi_memory(original, self, *args, **kwargs):
     budget = kv_budget(available, num_layers, mc.get_num_kv_heads(sa.tp_size), mc.head_dim, cfg,
                        self.kv_cache_dtype, packed, slots, scores)
     MEMORY.update(available=int(available), kv_budget=budget, reserved=int(available) - budget,
-                  scores=scores, slots=slots + 1)
+                  scores=scores, slots=slots + 1,
+                  # SFI's KV pool against the one dense SGLang would size from the same bytes
+                  pool_of_dense=round(budget / available, 4) if available > 0 else None)
     return budget
 
 
