@@ -26,7 +26,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 NAMES = {"dense": "dense, SGLang defaults (8 splits)", "dense-best": "dense, best split cap (sweep)",
          "dense-flashinfer": "dense, flashinfer", "sfi": "SFI as shipped",
          "sfi-pool": "SFI, fast path reading the pool", "sfi-fi": "SFI, dense passes on flashinfer",
-         "sfi-below": "SFI, flashinfer, dense steps below the threshold"}
+         "sfi-below": "SFI, flashinfer, dense steps below the threshold",
+         "sfi-pages": "SFI, whole pages of 16", "sfi-pool-pages": "SFI, pool read, whole pages of 16"}
 
 
 def merge(out: str, runs: list[str]) -> str:

@@ -25,6 +25,8 @@ Two parts, one process:
                     SFI-off rows on FlashInfer; carry .fi)
      sfi-below      sfi-fi with --sfi-dense-below (--dense-below): steps whose batch holds
                     fewer tokens beyond its sparse memories run FlashInfer's dense decode alone
+     sfi-pages      sfi with --sfi-selection-page 16 (the Selector keeps whole pages)
+     sfi-pool-pages sfi-pool with --sfi-selection-page 16
 
 CONTEXTxmax: each engine at the largest batch its own KV pool holds. The engine captures
 decode graphs at 1, 8 and steps of an eighth of an upper bound on that batch (the
@@ -243,6 +245,10 @@ def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) 
     suffix = name.split("-", 1)[1] if "-" in name else ""
     if suffix == "best":
         suffix = f"s{caps['best']}"
+    if name.endswith("-pages"):  # the Selector keeps whole pages of 16
+        kw["sfi_selection_page"] = 16
+        name = name[:-len("-pages")]
+        suffix = name.split("-", 1)[1] if "-" in name else ""
     if name == "sfi-pool":  # the fast kernel reads the pool in place (no packed copy)
         kw["sfi_fast_path"] = "triton-pool"
     elif name in ("sfi-fi", "sfi-below"):  # prefill, dense layers and SFI-off rows on FlashInfer

@@ -67,19 +67,22 @@ def _attend_slots(q, K_cache, V_cache, slot, mask_n, mask_d, offs_d, h, stride_k
 def _fast_decode_kernel(
     Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Win_start,
     Packed_k, Packed_v, Packed_len, qk_scale_log2,
-    Out, Mid_o, Mid_lse, Counters, Lse,
+    Out, Mid_o, Mid_lse, Counters, Lse, Holes,
     stride_qb, stride_qh,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     stride_rt,
     stride_pkr, stride_pkh, stride_pkp,
     stride_pvr, stride_pvh, stride_pvp,
-    stride_ob, stride_oh,
+    stride_ob, stride_oh, stride_hr, stride_hh, hole_base,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-    WRITE_LSE: tl.constexpr, LISTED: tl.constexpr,
+    WRITE_LSE: tl.constexpr, LISTED: tl.constexpr, HOLES: tl.constexpr,
 ):
     # LISTED: Packed_k is the layer's sel_pos [slots, H_kv, K] int32 (strides pkr, pkh; -1
     # reads nothing) and Packed_v the slots' n_sinks [slots] int32
+    # HOLES (packed): packed entry e >= hole_base is valid only where Holes[pool, h,
+    # e - hole_base] >= 0 (the layer's sel_pos: a whole-page selection's -1 entries inside
+    # its count hold stale rows)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -131,6 +134,10 @@ def _fast_decode_kernel(
         for n0 in range(start, p_hi, BLOCK_N):
             offs_n = n0 + offs_nb
             mask_n = offs_n < p_hi
+            if HOLES:
+                sel = tl.load(Holes + pool * stride_hr + h * stride_hh + (offs_n - hole_base),
+                              mask=mask_n & (offs_n >= hole_base), other=0)
+                mask_n = mask_n & (sel >= 0)
             mkd = mask_n[:, None] & mask_d[None, :]
             k = tl.load(pk_base + offs_n[:, None] * stride_pkp + offs_d[None, :], mask=mkd, other=0.0)
             v = tl.load(pv_base + offs_n[:, None] * stride_pvp + offs_d[None, :], mask=mkd, other=0.0)
@@ -202,12 +209,17 @@ def _counters(device, n):
 def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, win_start,
                 packed_k, packed_v, packed_len, sm_scale, out=None, num_splits=None,
                 max_window=None, block_n=None, num_warps=None, num_stages=None,
-                fused_reduce=None, counters=None, lse_out=None, sel_pos=None, n_sinks=None):
+                fused_reduce=None, counters=None, lse_out=None, sel_pos=None, n_sinks=None,
+                holes=None, hole_base=0):
     """SFI fast-step attention. q [B,H_q,D]; k_cache/v_cache [slots,H_kv,D];
     packed_k/packed_v [max_reqs,H_kv,P,D]. Returns out [B,H_q,D] (q.dtype).
     sel_pos [max_reqs,H_kv,K] int32 and n_sinks [max_reqs] int32 instead of packed_k and
     packed_v (None): the sinks [0, n_sinks) and the selected positions are read in place,
     through req_to_token, like the window (nothing packed; packed_len = n_sinks + count).
+    holes [max_reqs,H_kv,K] int32 (the packed buffers; the layer's sel_pos): packed entry
+    e >= hole_base (the sinks S) is read only where holes[pool, h, e - hole_base] >= 0, so
+    a selection with fewer valid positions in a head than its count (whole pages at the
+    candidates' edges) reads no stale packed row.
 
     num_splits: split-K count; None chooses it from the work size (P + max_window,
     max_window defaulting to 512) and the SM count, without reading device values, so
@@ -230,8 +242,12 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
         from .reference import ref_fast_decode
         return ref_fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                                win_start, packed_k, packed_v, packed_len, sm_scale, out=out,
-                               lse_out=lse_out, sel_pos=sel_pos, n_sinks=n_sinks)
+                               lse_out=lse_out, sel_pos=sel_pos, n_sinks=n_sinks, holes=holes,
+                               hole_base=hole_base)
     listed = sel_pos is not None
+    assert not (listed and holes is not None), "holes: the packed path's (sel_pos masks itself)"
+    if holes is not None:
+        assert holes.dtype == torch.int32 and holes.stride(2) == 1
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1 and out.stride(2) == 1
     if listed:
         assert sel_pos.dtype == torch.int32 and sel_pos.stride(2) == 1 and n_sinks.dtype == torch.int32
@@ -267,14 +283,16 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, win_start,
         packed_k, packed_v, packed_len, float(sm_scale) * LOG2E,
         out, mid_o, mid_lse, counters, lse_out if lse_out is not None else mid_lse,
+        holes if holes is not None else seq_lens,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0),
         packed_k.stride(0), packed_k.stride(1), packed_k.stride(2),
         *((0, 0, 0) if listed else (packed_v.stride(0), packed_v.stride(1), packed_v.stride(2))),
         out.stride(0), out.stride(1),
+        *((holes.stride(0), holes.stride(1)) if holes is not None else (0, 0)), int(hole_base),
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, IEEE=ieee, FUSED_REDUCE=fused,
-        WRITE_LSE=lse_out is not None, LISTED=listed,
+        WRITE_LSE=lse_out is not None, LISTED=listed, HOLES=holes is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and not fused:

@@ -9,14 +9,17 @@ copied into it (cast to its dtype) and returned; otherwise results are in comput
 import torch
 
 
-def _attend(qb, keys, vals, sm_scale, G):
-    """qb [H_q, D]; keys/vals [H_kv, L, D] -> (out [H_q, D], logits [H_q, L])."""
+def _attend(qb, keys, vals, sm_scale, G, mask=None):
+    """qb [H_q, D]; keys/vals [H_kv, L, D] -> (out [H_q, D], logits [H_q, L]); mask [H_kv, L]
+    bool, optional: only where True (logits -inf elsewhere)."""
     Hkv, L, D = keys.shape
     qg = qb.view(Hkv, G, D)
     logits = torch.einsum("hgd,hld->hgl", qg, keys) * sm_scale
+    if mask is not None:
+        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
     if L == 0:
         return torch.zeros_like(qb), logits.reshape(Hkv * G, 0)
-    p = torch.softmax(logits, dim=-1)
+    p = torch.softmax(logits, dim=-1).nan_to_num(0.0)
     o = torch.einsum("hgl,hld->hgd", p, vals)
     return o.reshape(Hkv * G, D), logits.reshape(Hkv * G, L)
 
@@ -30,12 +33,14 @@ def _finish(result, out):
 
 def ref_fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, win_start,
                     packed_k, packed_v, packed_len, sm_scale, out=None,
-                    compute_dtype=torch.float64, lse_out=None, sel_pos=None, n_sinks=None, **_ignored):
+                    compute_dtype=torch.float64, lse_out=None, sel_pos=None, n_sinks=None, holes=None,
+                    hole_base=0, **_ignored):
     """Attention of q over packed[pool, h, :packed_len[pool]] + window [win_start, seq_len);
     with sel_pos [slots, H_kv, K] and n_sinks [slots] instead of the packed buffers, over
     the positions [0, n_sinks) then sel_pos[pool, h, :packed_len - n_sinks] (-1: none),
-    read through req_to_token. lse_out [B, H_q]: each head's log-sum-exp of its logits
-    (-inf for an empty memory)."""
+    read through req_to_token. holes [slots, H_kv, K] (packed buffers): packed entry
+    e >= hole_base counts only where holes[pool, h, e - hole_base] >= 0. lse_out [B, H_q]:
+    each head's log-sum-exp of its logits (-inf for an empty memory)."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
@@ -67,7 +72,12 @@ def ref_fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_len
             continue
         keys = torch.cat([packed_k[pool, :, :lp].to(cd), k_cache[slots].to(cd).transpose(0, 1)], 1)
         vals = torch.cat([packed_v[pool, :, :lp].to(cd), v_cache[slots].to(cd).transpose(0, 1)], 1)
-        res[b], logits = _attend(q[b].to(cd), keys, vals, sm_scale, G)
+        mask = None
+        if holes is not None:  # [H_kv, lp + window]: False at a hole
+            e = torch.arange(keys.shape[1], device=keys.device)
+            idx = (e - hole_base).clamp(0, holes.shape[-1] - 1)
+            mask = (e < hole_base) | (e >= lp) | (holes[pool][:, idx] >= 0)
+        res[b], logits = _attend(q[b].to(cd), keys, vals, sm_scale, G, mask=mask)
         if lse_out is not None:
             lse_out[b] = torch.logsumexp(logits, -1).to(lse_out.dtype)
     return _finish(res, out)

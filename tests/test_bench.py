@@ -64,11 +64,15 @@ from sfi_sglang.method.config import SFIConfig
 
 packed = sys.argv[1] == "kernel"
 records = {}
-# the kernel process runs both Triton fast paths: the packed copy and the pool read in place
-for fast_path in (("triton", "triton-pool") if packed else ("reference",)):
+# the kernel process runs both Triton fast paths (the packed copy, the pool read in place),
+# with single tokens and with whole pages of 6 (two pages: at most 12 positions of a count
+# of 16, the rest of each head's entries empty)
+runs = ((("triton", "triton", 1), ("triton-pages", "triton", 6), ("triton-pool-pages", "triton-pool", 6))
+        if packed else (("reference", "triton", 1), ("reference-pages", "triton", 6)))
+for name, fast_path, page in runs:
     torch.manual_seed(0)
     cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=(0,), refresh="interval",
-                    max_interval=3, min_gap=1, fast_path="triton" if fast_path == "reference" else fast_path)
+                    max_interval=3, min_gap=1, fast_path=fast_path, selection_page=page)
     model = bench.DummyModel(bench.SHAPES["tiny"], torch.float32, "cpu")
     s = model.s
     st = bench.Setup(model, cfg, 70, 3, 8, "cpu", torch.float32, packed=packed)
@@ -76,7 +80,7 @@ for fast_path in (("triton", "triton-pool") if packed else ("reference",)):
     assert mem.packed == packed
     st.reset(torch.tensor([5, 7, 11]))
     st.sfi.step.dense[st.fb.req_pool_indices[1], 2] = True  # a row with its own dense layer 2
-    record = records[fast_path] = []
+    record = records[name] = []
     for step in range(6):
         st.sfi.init_forward_metadata(st.fb)
         slow = st.sfi.meta.rows.slow.clone()
@@ -101,7 +105,8 @@ def test_backend_kernel_path_equals_reference_path(tmp_path):
     triton's import; its slow steps select for every layer at once at the step's end), with
     the kernel reading the pool in place (--sfi-fast-path triton-pool) and with the torch
     reference (layer by layer, in a process without it): same outputs, same selections,
-    also for a row with its own dense layer."""
+    also for a row with its own dense layer; and so with whole pages (--sfi-selection-page),
+    whose edge pages leave a head fewer positions than the selection's count."""
     import torch
 
     records = {}
@@ -113,15 +118,19 @@ def test_backend_kernel_path_equals_reference_path(tmp_path):
         assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
         records.update(torch.load(out))
     kinds = set()
-    for step, ref in enumerate(records["reference"]):
-        kinds |= {"slow" if x else "fast" for x in ref["slow"].tolist()}
-        for path in ("triton", "triton-pool"):
-            ker = records[path][step]
-            assert torch.equal(ref["slow"], ker["slow"]), (path, step)
-            err = ((ref["out"] - ker["out"]).norm() / ref["out"].norm()).item()
-            assert err < 1e-5, (path, step, ref["slow"], err)
-            assert torch.equal(ref["sel_count"], ker["sel_count"]), (path, step)
-            assert torch.equal(ref["sel_pos"], ker["sel_pos"]), (path, step)
+    for ref_name, paths in (("reference", ("triton",)), ("reference-pages", ("triton-pages", "triton-pool-pages"))):
+        for step, ref in enumerate(records[ref_name]):
+            kinds |= {"slow" if x else "fast" for x in ref["slow"].tolist()}
+            if ref_name == "reference-pages" and step > 0:  # every head held pages, fewer than its count
+                held = (ref["sel_pos"][1:, 1:4] >= 0).sum(-1)  # sparse layers x rows x heads
+                assert ((held > 0) & (held <= 12)).sum() >= held.numel() - 2, held  # row 1's own dense layer
+            for path in paths:
+                ker = records[path][step]
+                assert torch.equal(ref["slow"], ker["slow"]), (path, step)
+                err = ((ref["out"] - ker["out"]).norm() / ref["out"].norm()).item()
+                assert err < 1e-5, (path, step, ref["slow"], err)
+                assert torch.equal(ref["sel_count"], ker["sel_count"]), (path, step)
+                assert torch.equal(ref["sel_pos"], ker["sel_pos"]), (path, step)
     assert kinds == {"fast", "slow"}, kinds
 
 

@@ -119,9 +119,9 @@ def test_dense_backend_other_than_auto_needs_a_gpu(monkeypatch):
 
 
 def test_reference_only_options_need_eager_decode_steps(monkeypatch):
-    """The top-up and page-granular selection run in the torch reference (eager steps): a
-    launch with CUDA graphs on is refused, naming them and what to change; without graphs
-    (the CPU's default) it launches."""
+    """The top-up runs in the torch reference (eager steps): a launch with CUDA graphs on is
+    refused, naming it and what to change; without graphs (the CPU's default) it launches.
+    Whole pages (--sfi-selection-page) run on the device path too: no refusal."""
     import os
 
     from sfi_sglang.engine import launch_kwargs
@@ -130,8 +130,10 @@ def test_reference_only_options_need_eager_decode_steps(monkeypatch):
     monkeypatch.setattr(os, "environ", os.environ.copy())
     with pytest.raises(ValueError, match="--sfi-topup-pages: runs .* add --disable-cuda-graph"):
         launch_kwargs({"model_path": "m", "disable_cuda_graph": False}, SFIConfig(topup_pages=2), enabled=True)
-    with pytest.raises(ValueError, match="--sfi-topup-pages, --sfi-selection-page: runs .* add --disable"):
+    with pytest.raises(ValueError, match="^--sfi-topup-pages: runs .* add --disable"):
         launch_kwargs({"model_path": "m", "disable_cuda_graph": False},
                       SFIConfig(topup_pages=2, selection_page=16), enabled=True)
+    assert launch_kwargs({"model_path": "m", "disable_cuda_graph": False}, SFIConfig(selection_page=16),
+                         enabled=True)["attention_backend"] == "sfi"
     assert launch_kwargs({"model_path": "m", "disable_cuda_graph": True}, SFIConfig(topup_pages=2),
                          enabled=True)["attention_backend"] == "sfi"

@@ -155,7 +155,8 @@ def test_fast_decode_matches_reference(G, D, splits, block_n, seq_lens, S, W, Kc
 def test_fast_decode_reads_the_selection_in_place(G, D, splits, block_n, seq_lens, S, W, Kc, P, fused):
     """The "triton-pool" fast path (sel_pos and n_sinks instead of packed K/V): the sinks and
     each head's selected positions read through req_to_token equal the float64 reference
-    (a -1 entry reads nothing), and, without holes, the packed path's result."""
+    (a -1 entry reads nothing), and, without holes, the packed path's result; with a hole,
+    the packed path told of it (`holes`) skips the packed row behind it."""
     Hkv = 2
     st = make_state(len(seq_lens), Hkv, G, D, P, seq_lens)
     positions, win_start, packed_len = sfi_layout(st, S, W, Kc, seq_lens, P)
@@ -187,6 +188,13 @@ def test_fast_decode_reads_the_selection_in_place(G, D, splits, block_n, seq_len
     assert torch.isfinite(out).all() and rel_err(out, ref) < TOL[torch.float32]
     assert (lse.double() - lse_ref).abs().max().item() < 1e-4
     assert rel_err(out[0, :G], packed[0, :G]) > 1e-3  # the hole changed head 0's result
+    # the packed path with `holes` (whole-page selections): the packed row behind the hole
+    # is still there, and is skipped
+    pk = (st["packed_k"], st["packed_v"])
+    held = K.fast_decode(*args[:7], *pk, *args[9:], **{**kw, "sel_pos": None, "n_sinks": None},
+                         holes=sel_pos, hole_base=S)
+    assert rel_err(held, ref) < TOL[torch.float32]
+    assert rel_err(K.ref_fast_decode(*args[:7], *pk, *args[9:], holes=sel_pos, hole_base=S), ref) < 1e-12
 
 
 def test_fast_decode_after_pack_equals_dense_when_memory_covers_history():

@@ -440,8 +440,10 @@ def test_kernel_path_half_precision_and_restore():
 # ------------------------------------------------------------------ fused Selector (Triton)
 @kernel_test
 @pytest.mark.parametrize("overrides", [{}, {"fusion": "geometric"}, {"alpha": 0.0},
-                                       {"use_prior": False, "nms_radius": 3}])
+                                       {"use_prior": False, "nms_radius": 3, "selection_page": 4}])
 def test_kernel_fused_selector_matches_torch(overrides):
+    """The fused Selector's ranking key equals the torch pipeline's score, and the two choose
+    the same positions (whole pages in the last case)."""
     from sfi_sglang.method import selector as S
 
     cfg = SFIConfig(dense_layers=()).replace(**overrides)

@@ -105,7 +105,9 @@ class SFIConfig:
     topup_every: int = 1
     # the Selector keeps whole pages of this many tokens (aligned to position 0, each scored
     # by the log-sum-exp of its positions' scores; K // selection_page pages), as a fast
-    # path reading pool pages would; 1 = single tokens. The torch reference only
+    # path reading pool pages would; 1 = single tokens. The torch reference and the Triton
+    # fast paths (a head's pages at the candidates' edges may hold fewer than K positions:
+    # the packed kernel skips the rest, kernels.fast_decode's `holes`)
     selection_page: int = 1
     # ablation switches
     use_prior: bool = True
@@ -212,6 +214,9 @@ class SFIConfig:
             bad("fast_path", "'triton', 'triton-pool' or 'flashinfer'")
         if self.dense_backend not in DENSE_BACKENDS:
             bad("dense_backend", "'auto', 'triton' or 'flashinfer'")
+        if self.selection_page > 1 and self.fast_path not in KERNEL_FAST_PATHS:
+            raise SFIConfigError(f"{cli_name('selection_page')} > 1 needs {cli_name('fast_path')} triton or "
+                                 "triton-pool (the flashinfer path reads every listed entry)")
         if self.refresh == "adaptive" and self.fast_path not in KERNEL_FAST_PATHS:
             raise SFIConfigError(f"{cli_name('refresh')} adaptive needs {cli_name('fast_path')} triton or "
                                  "triton-pool (the trigger reads the Triton fast kernel's log-sum-exp)")

@@ -286,6 +286,8 @@ class SparseMemory:
                 packed = (None, None)
             else:
                 packed = (self.packed_k[li], self.packed_v[li])
+                if self.cfg.selection_page > 1:  # a head's pages may fill less than the count
+                    kernel_kw.update(holes=self.sel_pos[li], hole_base=self.sinks)
             return self._k.fast_decode(q, k_cache, v_cache, req_to_token, rpi, seq_lens, ws,
                                        *packed, self.packed_len, sm_scale, out=out, lse_out=lse_out,
                                        **kernel_kw)

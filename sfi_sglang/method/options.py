@@ -96,6 +96,12 @@ def request_config(server: SFIConfig, custom_params,
     if reference_only(cfg) and os.environ.get(REFERENCE_ENV) != "1":
         raise SFIConfigError(f'custom_params["sfi"]: {", ".join(reference_only(cfg))} run only in '
                              "the torch reference of SGLang's CPU engine, for now")
+    if cfg.selection_page != server.selection_page and os.environ.get(REFERENCE_ENV) != "1":
+        # the packed fast kernel skips a whole-page selection's empty entries only on a
+        # server launched with whole pages (SparseMemory.attend_fast)
+        raise SFIConfigError(f'custom_params["sfi"]["selection_page"] ({cfg.selection_page}) cannot '
+                             f"differ from the server's {cli_name('selection_page')} ({server.selection_page}) "
+                             "on a GPU: launch the server with it")
     if not on_device_path(cfg, server) and os.environ.get(EAGER_ENV) != "1":
         other = sorted(k for k in overrides if k not in DEVICE_OPTIONS)
         what = (f"option(s) {', '.join(other)}" if other
@@ -130,8 +136,8 @@ def on_device_path(cfg: SFIConfig, server: SFIConfig) -> bool:
 
 def reference_only(cfg: SFIConfig) -> list[str]:
     """The options of cfg that only the torch reference runs (baselines.HostPath, eager
-    decode steps), as flags: the top-up and page-granular selection."""
-    return [cli_name(f) for f, off in (("topup_pages", 0), ("selection_page", 1)) if getattr(cfg, f) != off]
+    decode steps), as flags: the top-up."""
+    return [cli_name("topup_pages")] if cfg.topup_pages else []
 
 
 def _json_type(value) -> str:
