@@ -96,7 +96,7 @@ class Service:
                     return
             except requests.RequestException:
                 pass
-            time.sleep(2)
+            time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"{self.name} did not become healthy in {timeout}s:\n{self.tail()}")
 
