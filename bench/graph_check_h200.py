@@ -42,6 +42,9 @@ def main(argv=None) -> int:
                    help="adaptive: also the adaptive trigger (random weights: it fires often at a "
                         "low threshold), checked the same way; writes graph_check_h200_adaptive.json")
     p.add_argument("--adaptive-threshold", type=float, default=0.05)
+    p.add_argument("--selection-page", type=int, default=1,
+                   help="> 1: the Selector keeps whole pages (--sfi-selection-page), checked the same "
+                        "way; writes graph_check_h200_pages.json")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
 
@@ -83,7 +86,8 @@ def main(argv=None) -> int:
            "cuda_bindings": _has("cuda.bindings.runtime"), "cupy": _has("cupy")}
     print(json.dumps(res), flush=True)
     cfg = SFIConfig(budget=512, window=128, refresh=args.refresh, max_interval=args.slow_every,
-                    min_gap=min(16, args.slow_every), adaptive_threshold=args.adaptive_threshold)
+                    min_gap=min(16, args.slow_every), adaptive_threshold=args.adaptive_threshold,
+                    selection_page=args.selection_page)
     model = bench.DummyModel(bench.SHAPES[args.shape], dtype, dev)
     B = args.batch
     st = bench.Setup(model, cfg, args.context, B, args.steps, dev, dtype)
@@ -113,7 +117,8 @@ def main(argv=None) -> int:
     eager_ids, _, eager_slow, _ = run(False)
     eager_fired = fired()
     graph_ids, secs, graph_slow, runner = run(True)
-    res.update(refresh=args.refresh, adaptive_fired_eager=eager_fired, adaptive_fired_graph=fired())
+    res.update(refresh=args.refresh, selection_page=args.selection_page, adaptive_fired_eager=eager_fired,
+               adaptive_fired_graph=fired())
     counts = be.memory.counts[st.fb.req_pool_indices].tolist()
     same = torch.equal(eager_ids, graph_ids)
     first_diff = None
@@ -145,7 +150,8 @@ def main(argv=None) -> int:
     print(json.dumps(res), flush=True)
     state.BACKENDS.clear()
     os.makedirs(args.out, exist_ok=True)
-    name = "graph_check_h200" + ("_adaptive" if args.refresh == "adaptive" else "")
+    name = ("graph_check_h200" + ("_adaptive" if args.refresh == "adaptive" else "")
+            + ("_pages" if args.selection_page > 1 else ""))
     with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(res, f, indent=1)
     return 0 if same and sync_ok and (HAS_IF_NODE or res_if["graph_if_available"]) else 1
