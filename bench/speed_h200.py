@@ -242,13 +242,12 @@ def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) 
     kw = S.engine_kwargs(args, base, path, ctx, batch)
     if caps.get("graph_batches"):
         kw["cuda_graph_bs_decode"] = caps["graph_batches"]
-    suffix = name.split("-", 1)[1] if "-" in name else ""
-    if suffix == "best":
-        suffix = f"s{caps['best']}"
     if name.endswith("-pages"):  # the Selector keeps whole pages of 16
         kw["sfi_selection_page"] = 16
         name = name[:-len("-pages")]
-        suffix = name.split("-", 1)[1] if "-" in name else ""
+    suffix = name.split("-", 1)[1] if "-" in name else ""
+    if suffix == "best":
+        suffix = f"s{caps['best']}"
     if name == "sfi-pool":  # the fast kernel reads the pool in place (no packed copy)
         kw["sfi_fast_path"] = "triton-pool"
     elif name in ("sfi-fi", "sfi-below"):  # prefill, dense layers and SFI-off rows on FlashInfer
