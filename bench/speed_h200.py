@@ -10,7 +10,8 @@ Two parts, one process:
    context at batch 1 is the `dense-best` engine's flag.
 2. Real SGLang 0.5.23 engines (bench/sglang_h200.py's model, prompts and timing: decode
    graphs + overlap + radix on, a slow step every --slow-every tokens for SFI), one after
-   the other per configuration:
+   the other: each engine launched once for every fixed-batch config (its context_length
+   the longest of them; dense-best once per split cap), then once per CONTEXTxmax config:
      dense          SGLang's defaults (triton attention, 8 KV splits)
      dense-sN       the same with --triton-attention-num-kv-splits N
      dense-best     dense-sN at the sweep's best N for the context at batch 1
@@ -237,6 +238,32 @@ def graph_batches(guess: int) -> list[int]:
     return sorted({1, min(8, guess), guess, *range(step, guess + 1, step)})
 
 
+def launches(args, engines: list[str], configs: list[tuple[int, int]], sweep: list[dict]) -> list[dict]:
+    """One engine launch each, in order: {"engine", "parts": [(context, [batches])], "caps"}.
+    The configs of a fixed batch share one launch per engine (its context_length the longest
+    of theirs: the same graphs, the same kernels, at each context's own lengths), engine by
+    engine, so each launch's startup is paid once for every fixed row; dense-best launches
+    once per split cap. A CONTEXTxmax config has one launch per engine, after them (its
+    graph batch sizes and pool depend on the context)."""
+    fixed: dict[int, set] = {}
+    for n, b in configs:
+        if b:
+            fixed.setdefault(n, {1}).add(b)
+    out = []
+    for name in engines:
+        groups: dict = {}
+        for n, bs in fixed.items():
+            cap = best_cap(sweep, n, 1)["cap"] if sweep else None
+            groups.setdefault(cap if name.endswith("-best") else None, []).append((n, sorted(bs)))
+        out += [dict(engine=name, parts=parts, caps={"best": cap}) for cap, parts in groups.items()]
+    for n, b in configs:
+        if not b:  # each engine at the largest captured batch its pool holds
+            guess = largest_batch_guess(args.shape, S.context_length(args, n), args.mem_fraction)
+            caps = {"graph_batches": graph_batches(guess), "best": best_cap(sweep, n, 1)["cap"] if sweep else None}
+            out += [dict(engine=name, parts=[(n, [1, guess])], caps=caps) for name in engines]
+    return out
+
+
 def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) -> dict:
     base = "sfi" if name.startswith("sfi") else "dense-graph"
     kw = S.engine_kwargs(args, base, path, ctx, batch)
@@ -355,48 +382,46 @@ def main(argv=None) -> int:
             row["of_ideal"] = round(row["speedup"] / row["ideal_ratio"], 3)
 
     save()
-    for n, b in configs:
-        ctx = S.context_length(args, n)
-        caps = {}
-        if b == 0:  # CONTEXTxmax: each engine at the largest captured batch its pool holds
-            guess = largest_batch_guess(args.shape, ctx, args.mem_fraction)
-            caps["graph_batches"] = graph_batches(guess)
-            b = guess
-        prompts = [np.random.default_rng([n, b, i]).integers(100, vocab, n).tolist() for i in range(b)]
-        if result["sweep"]:
-            caps["best"] = best_cap(result["sweep"], n, 1)["cap"]
-        for name in engines:
-            left = args.deadline_s - (time.perf_counter() - t_start)
-            info = dict(engine=name, context=n, batch=b, context_length=ctx)
-            result["runs"].append(info)
-            if left < 60:
-                info["error"] = f"skipped: {left:.0f} s left before the deadline"
-                print(f"[{name}] {n}x{b}: {info['error']}", flush=True)
-                save()
-                continue
-            engine = None
-            try:
-                kw = engine_kwargs(args, name, path, ctx, b, caps)
-                info["launch"] = {k: v for k, v in kw.items() if k != "model_path"}
-                t0 = time.perf_counter()
-                engine = sfi_sglang.Engine(**kw)
-                info["startup_s"] = round(time.perf_counter() - t0, 1)
-                si = engine.get_server_info()
-                state = si["internal_states"][0]
-                info["max_total_num_tokens"] = pool = si["max_total_num_tokens"]
-                if name.startswith("sfi"):
-                    info["memory"] = state.get("sfi", {}).get("memory")
-                    info["triton_attention_num_kv_splits"] = si.get("triton_attention_num_kv_splits")
-                batches = sorted({1, b})
+    for launch in launches(args, engines, configs, result["sweep"]):
+        name, parts, caps = launch["engine"], launch["parts"], launch["caps"]
+        ctx = S.context_length(args, max(n for n, _ in parts))
+        b = max(max(bs) for _, bs in parts)
+        left = args.deadline_s - (time.perf_counter() - t_start)
+        info = dict(engine=name, context=parts[0][0], contexts=[n for n, _ in parts], batch=b, context_length=ctx)
+        result["runs"].append(info)
+        if left < 60:
+            info["error"] = f"skipped: {left:.0f} s left before the deadline"
+            print(f"[{name}] {info['contexts']}x{b}: {info['error']}", flush=True)
+            save()
+            continue
+        engine = None
+        try:
+            kw = engine_kwargs(args, name, path, ctx, b, caps)
+            if not caps.get("graph_batches"):  # every batch of the launch's configs
+                kw["cuda_graph_bs_decode"] = sorted({1, *(x for _, bs in parts for x in bs)})
+            info["launch"] = {k: v for k, v in kw.items() if k != "model_path"}
+            t0 = time.perf_counter()
+            engine = sfi_sglang.Engine(**kw)
+            info["startup_s"] = round(time.perf_counter() - t0, 1)
+            si = engine.get_server_info()
+            state = si["internal_states"][0]
+            info["max_total_num_tokens"] = pool = si["max_total_num_tokens"]
+            if name.startswith("sfi"):
+                info["memory"] = state.get("sfi", {}).get("memory")
+                info["triton_attention_num_kv_splits"] = si.get("triton_attention_num_kv_splits")
+            run = S.runner(engine)
+            info["prefill_s"] = {}
+            for n, batches in parts:
                 largest = None
                 if caps.get("graph_batches"):
                     # every request holds its prompt and its decoded tokens at once
                     fits = [g for g in caps["graph_batches"] if g * ctx <= pool]
                     largest = info["largest_batch"] = max(fits)
                     batches = sorted({1, min(8, largest), largest})
-                run = S.runner(engine)
-                warm, _ = run(prompts[:max(batches)], 1)
-                info["prefill_s"] = round(warm, 2)
+                prompts = [np.random.default_rng([n, max(batches), i]).integers(100, vocab, n).tolist()
+                           for i in range(max(batches))]
+                warm, _ = run(prompts, 1)
+                info["prefill_s"][str(n)] = round(warm, 2)
                 print(f"[{name}] {n}x{max(batches)}: up in {info['startup_s']} s (pool {pool} tokens), "
                       f"prefill {warm:.1f} s", flush=True)
                 for batch in batches:
@@ -413,18 +438,18 @@ def main(argv=None) -> int:
                         finish(row)
                     save()
                     print(f"[{name}] {n}x{batch}: {json.dumps(detail)}", flush=True)
-            except Exception as e:
-                traceback.print_exc()
-                info["error"] = repr(e)[:2000]
-                save()
-            finally:
-                if engine is not None:
-                    try:
-                        S.free_engine(engine)
-                    except Exception as e:
-                        print(f"[{name}] shutdown failed: {e!r}", flush=True)
-        for key in [k for k in rows if k[0] == n]:
-            print("ROW " + json.dumps({k: v for k, v in rows[key].items() if k != "detail"}), flush=True)
+        except Exception as e:
+            traceback.print_exc()
+            info["error"] = repr(e)[:2000]
+            save()
+        finally:
+            if engine is not None:
+                try:
+                    S.free_engine(engine)
+                except Exception as e:
+                    print(f"[{name}] shutdown failed: {e!r}", flush=True)
+    for row in result["rows"]:
+        print("ROW " + json.dumps({k: v for k, v in row.items() if k != "detail"}), flush=True)
     save()
     print(f"wrote {out_json} in {time.perf_counter() - t_start:.0f} s", flush=True)
     return 0

@@ -10,8 +10,8 @@ source "$(dirname "$0")/sglang_h200.sh"
 device_env speed
 if [ -f .fi/flashinfer.tar.xz ]; then unpack_flashinfer; fi  # the dense-flashinfer engine (carry .fi)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-if [ "${SPEED_GRAPH_CHECK:-1}" = 1 ]; then  # SPEED_GRAPH_CHECK=0 skips it
-  timeout --kill-after=5 90 python3 bench/graph_check_h200.py --out "$OUT/graph_check" > "$OUT/graph_check.log" 2>&1
+if [ "${SPEED_GRAPH_CHECK:-1}" = 1 ]; then  # SPEED_GRAPH_CHECK=0 skips it; GRAPH_CHECK_ARGS="--selection-page 16"
+  timeout --kill-after=5 90 python3 bench/graph_check_h200.py --out "$OUT/graph_check" ${GRAPH_CHECK_ARGS:-} > "$OUT/graph_check.log" 2>&1
   echo "graph check: rc $?"; grep -v '^\[20' "$OUT/graph_check.log" | tail -8
 fi
 python3 bench/speed_h200.py --out "$OUT" "$@" 2>&1 | tee "$OUT/speed_h200.log" | grep -v '^\[20.*Triton kernel'

@@ -364,3 +364,23 @@ def test_speed_bound_reads_each_dense_engine_own_kernel():
     assert S.attention_ms(res, "dense-flashinfer", 32768, 1, 36) == pytest.approx(36 * 0.150)
     assert S.attention_ms(res, "dense-best", 32768, 1, 36) == pytest.approx(36 * 0.200)
     assert S.attention_ms(res, "dense-flashinfer", 131072, 1, 36) is None
+
+
+def test_speed_launches_share_fixed_batch_configs():
+    """bench/speed_h200.py launches each engine once for all fixed-batch configs (its
+    context_length the longest), dense-best once per split cap, and each CONTEXTxmax config
+    on its own launch after them."""
+    import argparse
+
+    import speed_h200 as S
+
+    sw = [dict(context=16384, batch=1, cap=64, us=1.0), dict(context=131072, batch=1, cap=128, us=1.0)]
+    args = argparse.Namespace(shape="qwen3-4b", mem_fraction=0.8, steps=48, slow_every=24)
+    got = S.launches(args, ["sfi", "dense-best"], [(16384, 1), (32768, 8), (16384, 4), (131072, 1), (8192, 0)], sw)
+    assert [(x["engine"], x["parts"]) for x in got[:3]] == [
+        ("sfi", [(16384, [1, 4]), (32768, [1, 8]), (131072, [1])]),
+        ("dense-best", [(16384, [1, 4]), (32768, [1, 8])]),
+        ("dense-best", [(131072, [1])])]
+    assert [got[1]["caps"]["best"], got[2]["caps"]["best"]] == [64, 128]
+    assert [x["engine"] for x in got[3:]] == ["sfi", "dense-best"]
+    assert all(x["parts"][0][0] == 8192 and x["caps"]["graph_batches"] for x in got[3:])
