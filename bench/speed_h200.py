@@ -38,7 +38,8 @@ has `batch` "max", `batch_of` and `tokens_per_s` per engine and `throughput_rati
 tokens/s over the best dense engine's).
 
 Output ($OUT or --out): speed_h200.json, rewritten after every measurement: `sweep` (us per
-layer and the heuristic's split count per context, batch and cap), and one row per
+layer and the heuristic's split count per context, batch and cap), `slow_sweep` (SFI's
+slow-step dense pass with scores, us per layer and `over_flashinfer`: its ratio to `fi_sweep`), and one row per
 (context, batch) with `step_ms` per engine, `best_dense` (the fastest dense engine of the
 row), `speedup` (best dense / sfi), and `ideal_ratio`: dense's non-attention time (the best
 dense step minus 36 layers of that engine's own kernel's time in the sweep: the triton sweep's
@@ -182,6 +183,49 @@ def fi_sweep(shape: str, contexts, batches, reps: int) -> list[dict]:
             out.append(row)
             print("FI_SWEEP " + json.dumps(row), flush=True)
             del k, v, wrappers
+            torch.cuda.empty_cache()
+    return out
+
+
+def slow_sweep(shape: str, contexts, batches, reps: int, fi_rows: list[dict]) -> list[dict]:
+    """SFI's slow-step dense pass (kernels.dense_decode_with_scores: the output and every
+    position's raw logits, read by the Selector) on a Qwen3-4B layer: us per layer at each
+    context and batch, and its ratio to FlashInfer's decode at the same point (`fi_rows`,
+    fi_sweep's): what one dense layer of a slow step costs against FlashInfer's."""
+    import torch
+
+    from sfi_sglang import kernels
+
+    _, hq, hkv, d = layer_shape(shape)
+    dev = torch.device("cuda")
+    out = []
+    for n in contexts:
+        for b in batches:
+            tokens = n * b
+            kv_bytes = 2 * tokens * hkv * d * 2
+            copies = max(2, math.ceil(4 * L2_BYTES / kv_bytes))
+            if copies * kv_bytes > 40e9:
+                continue
+            k = torch.randn(copies * tokens, hkv, d, device=dev, dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
+            o = torch.empty_like(q)
+            r2t = torch.arange(copies * tokens, device=dev, dtype=torch.int32).view(copies * b, n)
+            seq_lens = torch.full((b,), n, device=dev, dtype=torch.int32)
+            rows = [torch.arange(c * b, (c + 1) * b, device=dev) for c in range(copies)]
+            scores = torch.empty(b, hq, n, device=dev, dtype=torch.float32)
+
+            def call(c):
+                kernels.dense_decode_with_scores(q, k, v, r2t, rows[c], seq_lens, d ** -0.5, scores_out=scores,
+                                                 out=o, max_len=n)
+
+            us = median_us(call, copies, reps)
+            fi = [r["us"] for r in fi_rows if r["context"] == n and r["batch"] == b]
+            row = dict(context=n, batch=b, us=round(us, 1), hbm_fraction=round(kv_bytes / (us * 1e-6) / HBM, 3),
+                       over_flashinfer=round(us / fi[0], 3) if fi else None)
+            out.append(row)
+            print("SLOW_SWEEP " + json.dumps(row), flush=True)
+            del k, v, r2t
             torch.cuda.empty_cache()
     return out
 
@@ -345,6 +389,15 @@ def main(argv=None) -> int:
             except Exception:  # the engines still run; rows it would bound get no ideal
                 result["fi_sweep_error"] = traceback.format_exc()[-2000:]
                 print(result["fi_sweep_error"], flush=True)
+            save()
+        if any(e.startswith("sfi") for e in engines):
+            try:
+                result["slow_sweep"] = slow_sweep(args.shape, [int(x) for x in args.sweep_contexts.split(",")],
+                                                  [int(x) for x in args.sweep_batches.split(",")], args.sweep_reps,
+                                                  result.get("fi_sweep", []))
+            except Exception:
+                result["slow_sweep_error"] = traceback.format_exc()[-2000:]
+                print(result["slow_sweep_error"], flush=True)
             save()
     max_ctx = max(S.context_length(args, n) for n, _ in configs)
     path = S.model_dir(args.shape, args.tokenizer, max(max_ctx, 40960))
