@@ -754,6 +754,35 @@ def floor(l2_bytes):
         torch.cuda.empty_cache()
 
 
+def holes(l2_bytes):
+    """The packed fast kernel with the hole check (`holes=sel_pos`, whole pages) against
+    the default one, at 32K, B=1 and B=8: what switching the check on for every server
+    would cost (it would let a request's page size differ from the server's on a GPU)."""
+    Hkv, G, D, S, W, Kc = (DIMS[k] for k in ("Hkv", "G", "D", "S", "W", "Kc"))
+    Hq, P = Hkv * G, S + Kc
+    N = 32768 if not SMOKE else 256
+    for B in (1, 8):
+        fast_bytes = B * Hkv * (P + W) * D * 2 * 2 + B * W * 4 + 2 * B * Hq * D * 2
+        n_sets = max(1, min(32, math.ceil(4 * l2_bytes / fast_bytes)))
+        st = build_state(B, Hkv, G, D, N, torch.bfloat16, n_sets, P, W, seed=B)
+        kv = (st["k_cache"], st["v_cache"], st["req_to_token"])
+        fk = (st["packed_k"], st["packed_v"], st["packed_len"])
+        R = n_sets * B
+        # every head full (no hole), and one page of 16 in eight missing (an edge page)
+        full = random_positions(R, Hkv, N, S, Kc, W)[:, :, S:].contiguous()
+        holed = full.clone()
+        holed.view(R, Hkv, -1, 16)[:, :, ::8] = -1
+        scale = D ** -0.5
+        for name, h in (("holes_off", None), ("holes_on_full", full), ("holes_on_eighth", holed)):
+            timed(name, {"N": N, "B": B}, [
+                (lambda s=s_, h=h: K.fast_decode(
+                    s["q"], *kv, s["req_pool_indices"], s["seq_lens"], s["win_start"], *fk, scale,
+                    out=s["out"], holes=h, hole_base=S if h is not None else 0))
+                for s_ in st["sets"]], fast_bytes)
+        del st, kv, fk
+        torch.cuda.empty_cache()
+
+
 def tune(l2_bytes):
     """Sweeps for choosing kernel defaults: fast kernel (block, splits, warps, stages,
     fused reduce) at B=1 and B=8; dense+scores kernel at 128K B=8."""
@@ -861,7 +890,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--phase", choices=("full", "tune", "profile", "floor"), default="full")
+    ap.add_argument("--phase", choices=("full", "tune", "profile", "floor", "holes"), default="full")
     ap.add_argument("--sweep", action="store_true", help="full phase: also the old fast/dense sweep at 8K")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -889,6 +918,16 @@ def main():
         log("memory import failed")
     if args.phase == "profile":
         profile_selector(selector_mod, cfg_mod, args.out)
+        return
+    if args.phase == "holes":  # the packed kernel's hole check, on and off
+        holes(l2)
+        RESULTS["wall_s"] = time.time() - t0
+        with open(os.path.join(args.out, "kernels_h200_holes.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
+        for t in RESULTS["timings"]:
+            log(f"B={t['B']} {t['op']:20s} {t.get('ms', float('nan')) * 1e3:7.2f} us")
+        for e in RESULTS["errors"]:
+            log("ERROR:", e[-400:])
         return
     if args.phase == "floor":  # what bounds the fast step at batch 1
         if not SMOKE:
