@@ -132,6 +132,9 @@ METHODS = {
     "sfi-lines-pages": Method("sfi-lines-pages", {"extra_boundaries": "line", "selection_page": 16}),
     "sfi-lines-pages-topup": Method("sfi-lines-pages-topup", {"extra_boundaries": "line", "selection_page": 16,
                                                               "topup_share": 0.25}),
+    # half of K held, half chosen per step: nearer Quest, still refreshed at boundaries
+    "sfi-lines-pages-topup-half": Method("sfi-lines-pages-topup-half", {
+        "extra_boundaries": "line", "selection_page": 16, "topup_share": 0.5}),
     # the top-up chosen at every 8th sparse layer and reused by the next 7 (TidalDecode's idea)
     "sfi-topup-reused": Method("sfi-topup-reused", {"topup_share": 0.25, "topup_every": 8}),
     "sfi-lines-pages-topup-reused": Method("sfi-lines-pages-topup-reused", {
