@@ -28,6 +28,7 @@ Two parts, one process:
                     fewer tokens beyond its sparse memories run FlashInfer's dense decode alone
      sfi-pages      sfi with --sfi-selection-page 16 (the Selector keeps whole pages)
      sfi-pool-pages sfi-pool with --sfi-selection-page 16
+     ...-nodense    any sfi engine with --sfi-dense-layers none (every layer sparse)
 
 CONTEXTxmax: each engine at the largest batch its own KV pool holds. The engine captures
 decode graphs at 1, 8 and steps of an eighth of an upper bound on that batch (the
@@ -313,6 +314,9 @@ def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) 
     kw = S.engine_kwargs(args, base, path, ctx, batch)
     if caps.get("graph_batches"):
         kw["cuda_graph_bs_decode"] = caps["graph_batches"]
+    if name.endswith("-nodense"):  # no layer kept dense (--sfi-dense-layers none)
+        kw["sfi_dense_layers"] = "none"
+        name = name[:-len("-nodense")]
     if name.endswith("-pages"):  # the Selector keeps whole pages of 16
         kw["sfi_selection_page"] = 16
         name = name[:-len("-pages")]
