@@ -754,20 +754,28 @@ def floor(l2_bytes):
         torch.cuda.empty_cache()
 
 
+def fast_state(B, N, l2_bytes):
+    """The fast kernel's inputs at B requests of N tokens (Qwen3-4B's layer, bf16): its bytes
+    per call, and enough rotation sets that L2 holds none of the next call's (bytes, state,
+    (K, V, req_to_token), (packed K, packed V, packed length))."""
+    Hkv, G, D, S, W, Kc = (DIMS[k] for k in ("Hkv", "G", "D", "S", "W", "Kc"))
+    Hq, P = Hkv * G, S + Kc
+    fast_bytes = B * Hkv * (P + W) * D * 2 * 2 + B * W * 4 + 2 * B * Hq * D * 2
+    n_sets = max(1, min(32, math.ceil(4 * l2_bytes / fast_bytes)))
+    st = build_state(B, Hkv, G, D, N, torch.bfloat16, n_sets, P, W, seed=B)
+    return (fast_bytes, st, (st["k_cache"], st["v_cache"], st["req_to_token"]),
+            (st["packed_k"], st["packed_v"], st["packed_len"]))
+
+
 def holes(l2_bytes):
     """The packed fast kernel with the hole check (`holes=sel_pos`, whole pages) against
     the default one, at 32K, B=1 and B=8: what switching the check on for every server
     would cost (it would let a request's page size differ from the server's on a GPU)."""
-    Hkv, G, D, S, W, Kc = (DIMS[k] for k in ("Hkv", "G", "D", "S", "W", "Kc"))
-    Hq, P = Hkv * G, S + Kc
+    Hkv, D, S, W, Kc = (DIMS[k] for k in ("Hkv", "D", "S", "W", "Kc"))
     N = 32768 if not SMOKE else 256
     for B in (1, 8):
-        fast_bytes = B * Hkv * (P + W) * D * 2 * 2 + B * W * 4 + 2 * B * Hq * D * 2
-        n_sets = max(1, min(32, math.ceil(4 * l2_bytes / fast_bytes)))
-        st = build_state(B, Hkv, G, D, N, torch.bfloat16, n_sets, P, W, seed=B)
-        kv = (st["k_cache"], st["v_cache"], st["req_to_token"])
-        fk = (st["packed_k"], st["packed_v"], st["packed_len"])
-        R = n_sets * B
+        fast_bytes, st, kv, fk = fast_state(B, N, l2_bytes)
+        R = len(st["sets"]) * B
         # every head full (no hole), and one page of 16 in eight missing (an edge page)
         full = random_positions(R, Hkv, N, S, Kc, W)[:, :, S:].contiguous()
         holed = full.clone()
@@ -791,13 +799,9 @@ def tune(l2_bytes):
     scale = D ** -0.5
     N = 8192 if not SMOKE else 256
     for B in (8, 1):
-        fast_bytes = B * Hkv * (P + W) * D * 2 * 2 + B * W * 4 + 2 * B * Hq * D * 2
-        n_sets = max(1, min(32, math.ceil(4 * l2_bytes / fast_bytes)))
-        st = build_state(B, Hkv, G, D, N, torch.bfloat16, n_sets, P, W, seed=B)
-        kv = (st["k_cache"], st["v_cache"], st["req_to_token"])
-        fk = (st["packed_k"], st["packed_v"], st["packed_len"])
+        fast_bytes, st, kv, fk = fast_state(B, N, l2_bytes)
         cfg = {"N": N, "B": B}
-        log(f"== fast sweep B={B} (rotation sets {n_sets})")
+        log(f"== fast sweep B={B} (rotation sets {len(st['sets'])})")
         splits_set = (4, 8, 16) if B == 8 else (8, 16, 32)
         variants = [(bn, ns, nw, stg, True) for bn in (64, 128) for ns in splits_set
                     for nw in (4, 8) for stg in (2, 3, 4)]

@@ -145,6 +145,17 @@ def sweep(shape: str, contexts, batches, splits, reps: int) -> list[dict]:
     return out
 
 
+def rotation_points(contexts, batches, hkv: int, d: int):
+    """(context, batch, KV bytes, copies) of every swept point whose rotated copies fit in
+    40 GB: enough copies of the KV that L2 holds none of the next call's."""
+    for n in contexts:
+        for b in batches:
+            kv_bytes = 2 * n * b * hkv * d * 2
+            copies = max(2, math.ceil(4 * L2_BYTES / kv_bytes))
+            if copies * kv_bytes <= 40e9:
+                yield n, b, kv_bytes, copies
+
+
 def fi_sweep(shape: str, contexts, batches, reps: int) -> list[dict]:
     """SGLang's flashinfer decode as its backend sets it up (page size 1, NHD, its own
     tensor-core choice, one plan per step) on a Qwen3-4B layer: us per layer at each context
@@ -158,33 +169,28 @@ def fi_sweep(shape: str, contexts, batches, reps: int) -> list[dict]:
     dev = torch.device("cuda")
     tc = should_use_tensor_core(torch.bfloat16, hq, hkv)
     out = []
-    for n in contexts:
-        for b in batches:
-            tokens = n * b
-            kv_bytes = 2 * tokens * hkv * d * 2
-            copies = max(2, math.ceil(4 * L2_BYTES / kv_bytes))
-            if copies * kv_bytes > 40e9:
-                continue
-            k = torch.randn(copies * tokens, 1, hkv, d, device=dev, dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
-            indptr = torch.arange(b + 1, device=dev, dtype=torch.int32) * n
-            last = torch.ones(b, device=dev, dtype=torch.int32)
-            wrappers = []
-            for c in range(copies):
-                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    torch.empty(128 << 20, dtype=torch.uint8, device=dev), "NHD", use_tensor_cores=tc)
-                idx = torch.arange(c * tokens, (c + 1) * tokens, device=dev, dtype=torch.int32)
-                w.begin_forward(indptr, idx, last, hq, hkv, d, 1, data_type=torch.bfloat16,
-                                q_data_type=torch.bfloat16)
-                wrappers.append(w)
-            us = median_us(lambda c: wrappers[c].forward(q, (k, v)), copies, reps)
-            row = dict(context=n, batch=b, engine="dense-flashinfer", tensor_cores=tc, us=round(us, 1),
-                       hbm_fraction=round(kv_bytes / (us * 1e-6) / HBM, 3))
-            out.append(row)
-            print("FI_SWEEP " + json.dumps(row), flush=True)
-            del k, v, wrappers
-            torch.cuda.empty_cache()
+    for n, b, kv_bytes, copies in rotation_points(contexts, batches, hkv, d):
+        tokens = n * b
+        k = torch.randn(copies * tokens, 1, hkv, d, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
+        indptr = torch.arange(b + 1, device=dev, dtype=torch.int32) * n
+        last = torch.ones(b, device=dev, dtype=torch.int32)
+        wrappers = []
+        for c in range(copies):
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                torch.empty(128 << 20, dtype=torch.uint8, device=dev), "NHD", use_tensor_cores=tc)
+            idx = torch.arange(c * tokens, (c + 1) * tokens, device=dev, dtype=torch.int32)
+            w.begin_forward(indptr, idx, last, hq, hkv, d, 1, data_type=torch.bfloat16,
+                            q_data_type=torch.bfloat16)
+            wrappers.append(w)
+        us = median_us(lambda c: wrappers[c].forward(q, (k, v)), copies, reps)
+        row = dict(context=n, batch=b, engine="dense-flashinfer", tensor_cores=tc, us=round(us, 1),
+                   hbm_fraction=round(kv_bytes / (us * 1e-6) / HBM, 3))
+        out.append(row)
+        print("FI_SWEEP " + json.dumps(row), flush=True)
+        del k, v, wrappers
+        torch.cuda.empty_cache()
     return out
 
 
@@ -200,34 +206,29 @@ def slow_sweep(shape: str, contexts, batches, reps: int, fi_rows: list[dict]) ->
     _, hq, hkv, d = layer_shape(shape)
     dev = torch.device("cuda")
     out = []
-    for n in contexts:
-        for b in batches:
-            tokens = n * b
-            kv_bytes = 2 * tokens * hkv * d * 2
-            copies = max(2, math.ceil(4 * L2_BYTES / kv_bytes))
-            if copies * kv_bytes > 40e9:
-                continue
-            k = torch.randn(copies * tokens, hkv, d, device=dev, dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
-            o = torch.empty_like(q)
-            r2t = torch.arange(copies * tokens, device=dev, dtype=torch.int32).view(copies * b, n)
-            seq_lens = torch.full((b,), n, device=dev, dtype=torch.int32)
-            rows = [torch.arange(c * b, (c + 1) * b, device=dev) for c in range(copies)]
-            scores = torch.empty(b, hq, n, device=dev, dtype=torch.float32)
+    for n, b, kv_bytes, copies in rotation_points(contexts, batches, hkv, d):
+        tokens = n * b
+        k = torch.randn(copies * tokens, hkv, d, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
+        o = torch.empty_like(q)
+        r2t = torch.arange(copies * tokens, device=dev, dtype=torch.int32).view(copies * b, n)
+        seq_lens = torch.full((b,), n, device=dev, dtype=torch.int32)
+        rows = [torch.arange(c * b, (c + 1) * b, device=dev) for c in range(copies)]
+        scores = torch.empty(b, hq, n, device=dev, dtype=torch.float32)
 
-            def call(c):
-                kernels.dense_decode_with_scores(q, k, v, r2t, rows[c], seq_lens, d ** -0.5, scores_out=scores,
-                                                 out=o, max_len=n)
+        def call(c):
+            kernels.dense_decode_with_scores(q, k, v, r2t, rows[c], seq_lens, d ** -0.5, scores_out=scores,
+                                             out=o, max_len=n)
 
-            us = median_us(call, copies, reps)
-            fi = [r["us"] for r in fi_rows if r["context"] == n and r["batch"] == b]
-            row = dict(context=n, batch=b, us=round(us, 1), hbm_fraction=round(kv_bytes / (us * 1e-6) / HBM, 3),
-                       over_flashinfer=round(us / fi[0], 3) if fi else None)
-            out.append(row)
-            print("SLOW_SWEEP " + json.dumps(row), flush=True)
-            del k, v, r2t
-            torch.cuda.empty_cache()
+        us = median_us(call, copies, reps)
+        fi = [r["us"] for r in fi_rows if r["context"] == n and r["batch"] == b]
+        row = dict(context=n, batch=b, us=round(us, 1), hbm_fraction=round(kv_bytes / (us * 1e-6) / HBM, 3),
+                   over_flashinfer=round(us / fi[0], 3) if fi else None)
+        out.append(row)
+        print("SLOW_SWEEP " + json.dumps(row), flush=True)
+        del k, v, r2t
+        torch.cuda.empty_cache()
     return out
 
 
