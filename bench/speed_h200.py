@@ -295,17 +295,17 @@ def launches(args, engines: list[str], configs: list[tuple[int, int]], sweep: li
     for n, b in configs:
         if b:
             fixed.setdefault(n, {1}).add(b)
+    cap = {n: best_cap(sweep, n, 1)["cap"] if sweep else None for n, _ in configs}
     out = []
     for name in engines:
         groups: dict = {}
         for n, bs in fixed.items():
-            cap = best_cap(sweep, n, 1)["cap"] if sweep else None
-            groups.setdefault(cap if name.endswith("-best") else None, []).append((n, sorted(bs)))
-        out += [dict(engine=name, parts=parts, caps={"best": cap}) for cap, parts in groups.items()]
+            groups.setdefault(cap[n] if name.endswith("-best") else None, []).append((n, sorted(bs)))
+        out += [dict(engine=name, parts=parts, caps={"best": c}) for c, parts in groups.items()]
     for n, b in configs:
         if not b:  # each engine at the largest captured batch its pool holds
             guess = largest_batch_guess(args.shape, S.context_length(args, n), args.mem_fraction)
-            caps = {"graph_batches": graph_batches(guess), "best": best_cap(sweep, n, 1)["cap"] if sweep else None}
+            caps = {"graph_batches": graph_batches(guess), "best": cap[n]}
             out += [dict(engine=name, parts=[(n, [1, guess])], caps=caps) for name in engines]
     return out
 
@@ -383,23 +383,19 @@ def main(argv=None) -> int:
     import torch
 
     if torch.cuda.is_available():
-        result["sweep"] = sweep(args.shape, [int(x) for x in args.sweep_contexts.split(",")],
-                                [int(x) for x in args.sweep_batches.split(",")],
-                                [int(x) for x in args.splits.split(",")], args.sweep_reps)
+        points = ([int(x) for x in args.sweep_contexts.split(",")], [int(x) for x in args.sweep_batches.split(",")])
+        result["sweep"] = sweep(args.shape, *points, [int(x) for x in args.splits.split(",")], args.sweep_reps)
         save()
         if "dense-flashinfer" in engines:  # its own kernel's time, for its rows' ideal bound
             try:
-                result["fi_sweep"] = fi_sweep(args.shape, [int(x) for x in args.sweep_contexts.split(",")],
-                                              [int(x) for x in args.sweep_batches.split(",")], args.sweep_reps)
+                result["fi_sweep"] = fi_sweep(args.shape, *points, args.sweep_reps)
             except Exception:  # the engines still run; rows it would bound get no ideal
                 result["fi_sweep_error"] = traceback.format_exc()[-2000:]
                 print(result["fi_sweep_error"], flush=True)
             save()
         if any(e.startswith("sfi") for e in engines):
             try:
-                result["slow_sweep"] = slow_sweep(args.shape, [int(x) for x in args.sweep_contexts.split(",")],
-                                                  [int(x) for x in args.sweep_batches.split(",")], args.sweep_reps,
-                                                  result.get("fi_sweep", []))
+                result["slow_sweep"] = slow_sweep(args.shape, *points, args.sweep_reps, result.get("fi_sweep", []))
             except Exception:
                 result["slow_sweep_error"] = traceback.format_exc()[-2000:]
                 print(result["slow_sweep_error"], flush=True)
