@@ -890,6 +890,13 @@ def plot(path):
     fig.savefig(path, dpi=110)
 
 
+def save_results(out_dir, name, t0):
+    """RESULTS, with the wall time since t0, as out_dir/name."""
+    RESULTS["wall_s"] = time.time() - t0
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
@@ -925,9 +932,7 @@ def main():
         return
     if args.phase == "holes":  # the packed kernel's hole check, on and off
         holes(l2)
-        RESULTS["wall_s"] = time.time() - t0
-        with open(os.path.join(args.out, "kernels_h200_holes.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1)
+        save_results(args.out, "kernels_h200_holes.json", t0)
         for t in RESULTS["timings"]:
             log(f"B={t['B']} {t['op']:20s} {t.get('ms', float('nan')) * 1e3:7.2f} us")
         for e in RESULTS["errors"]:
@@ -937,9 +942,7 @@ def main():
         if not SMOKE:
             hbm_copy()
         floor(l2)
-        RESULTS["wall_s"] = time.time() - t0
-        with open(os.path.join(args.out, "kernels_h200_floor.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1)
+        save_results(args.out, "kernels_h200_floor.json", t0)
         for B in (1, 8):
             c = sorted((t for t in RESULTS["timings"] if t.get("B") == B and "ms" in t), key=lambda t: t["ms"])
             for t in c[:6] + [t for t in c if t["op"] == "floor_fast_default"]:
@@ -970,9 +973,7 @@ def main():
         except Exception:
             RESULTS["errors"].append(f"tune: {traceback.format_exc()[-1500:]}")
             log(traceback.format_exc()[-1500:])
-        RESULTS["wall_s"] = time.time() - t0
-        with open(os.path.join(args.out, "kernels_h200_tune.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1)
+        save_results(args.out, "kernels_h200_tune.json", t0)
         for e in RESULTS["errors"]:
             log("ERROR:", e[-400:])
         tt = [t for t in RESULTS["timings"] if "ms" in t]
@@ -1005,9 +1006,7 @@ def main():
             log(traceback.format_exc()[-1500:])
         with open(os.path.join(args.out, "kernels_h200.json"), "w") as f:
             json.dump(RESULTS, f, indent=1)
-    RESULTS["wall_s"] = time.time() - t0
-    with open(os.path.join(args.out, "kernels_h200.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1)
+    save_results(args.out, "kernels_h200.json", t0)
     try:
         plot(os.path.join(args.out, "kernels_h200.png"))
     except Exception:
