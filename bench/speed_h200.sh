@@ -3,7 +3,8 @@
 # graphs on and off, no sync in replays), then bench/speed_h200.py (the split sweep and the
 # real-SGLang engines; options after the script name go to it).
 #   run(command="bash bench/speed_h200.sh --configs 131072x1,32768x8 --engines sfi,dense-best,dense",
-#       carry=[".sgl"], timeout_s=590)
+#       carry=[".sgl/site.tar.xz", ".sgl/tok.tar.xz", ".sgl/wheels.txt"] (+ ".fi" for FlashInfer
+#       engines; the whole .sgl with .fi passes the 64 MiB limit), timeout_s=590)
 # Results in $OUT: speed_h200.json, speed_h200.log, graph_check.log, graph_check/graph_check_h200.json.
 set -uo pipefail
 source "$(dirname "$0")/sglang_h200.sh"
