@@ -46,7 +46,7 @@ row), `speedup` (best dense / sfi), and `ideal_ratio`: dense's non-attention tim
 dense step minus 36 layers of that engine's own kernel's time in the sweep: the triton sweep's
 best cap, or `fi_sweep`, FlashInfer's decode as SGLang's flashinfer backend plans it, when
 dense-flashinfer is the best) plus each side's attention
-at the HBM floor (4.3 TB/s, bench/NOTES.md section 1) for the bytes it must read per step
+at the HBM floor (a copy's 4.3 TB/s on the H200, 3.0 on the H100; bench/NOTES.md section 1) for the bytes it must read per step
 (dense: the whole KV of every layer; SFI: the whole KV of its dense layers, sinks + window +
 budget of the others, and one slow step's whole KV per --slow-every steps); `of_ideal` =
 speedup / ideal_ratio. For SFI engines `memory` is /server_info's SFI memory reservation.
@@ -69,8 +69,22 @@ from typing import Optional
 
 import sglang_h200 as S
 
-HBM = 4.3e12  # bytes/s: the device-to-device copy (KINDS.md), the floor of bench/NOTES.md
+# bytes/s: a device-to-device copy as measured on each card (the device library's KINDS.md),
+# the floor of bench/NOTES.md; set_device_hbm() picks the card's at start
+HBM_BY_CARD = {"H200": 4.3e12, "H100": 3.0e12}
+HBM = HBM_BY_CARD["H200"]
 L2_BYTES = 60 << 20
+
+
+def set_device_hbm() -> str:
+    """HBM (and the `hbm_fraction`s and ideal bounds made from it) for this machine's card:
+    the H100's copy moves 3.0 TB/s against the H200's 4.3. Returns the card's name."""
+    global HBM
+    import torch
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    HBM = next((v for k, v in HBM_BY_CARD.items() if k in name), HBM_BY_CARD["H200"])
+    return name
 
 
 def layer_shape(shape: str) -> tuple[int, int, int, int]:
@@ -371,8 +385,9 @@ def main(argv=None) -> int:
     out_json = os.path.join(args.out, "speed_h200.json")
     engines = args.engines.split(",")
     configs = [(int(n), 0 if b == "max" else int(b)) for n, _, b in (c.partition("x") for c in args.configs.split(","))]
+    card = set_device_hbm()
     result = dict(shape=args.shape, argv=sys.argv[1:], engines=engines, slow_every=args.slow_every,
-                  steps=args.steps, hbm_bytes_per_s=HBM, sfi_config=SFIConfig().to_dict(),
+                  steps=args.steps, device=card, hbm_bytes_per_s=HBM, sfi_config=SFIConfig().to_dict(),
                   sweep=[], rows=[], runs=[])
 
     def save():
