@@ -135,12 +135,6 @@ METHODS = {
     # half of K held, half chosen per step: nearer Quest, still refreshed at boundaries
     "sfi-lines-pages-topup-half": Method("sfi-lines-pages-topup-half", {
         "extra_boundaries": "line", "selection_page": 16, "topup_share": 0.5}),
-    # the slow step's Selector pooling the last 8 decode queries (as the bootstrap pools
-    # the prompt's last 8 rows), with a quarter and with half of K chosen per step
-    "sfi-lines-pages-topup-q8": Method("sfi-lines-pages-topup-q8", {
-        "extra_boundaries": "line", "selection_page": 16, "topup_share": 0.25, "selector_queries": 8}),
-    "sfi-lines-pages-topup-half-q8": Method("sfi-lines-pages-topup-half-q8", {
-        "extra_boundaries": "line", "selection_page": 16, "topup_share": 0.5, "selector_queries": 8}),
     # the top-up chosen at every 8th sparse layer and reused by the next 7 (TidalDecode's idea)
     "sfi-topup-reused": Method("sfi-topup-reused", {"topup_share": 0.25, "topup_every": 8}),
     "sfi-lines-pages-topup-reused": Method("sfi-lines-pages-topup-reused", {

@@ -141,7 +141,7 @@ def test_graph_servers_take_only_device_path_options(monkeypatch, opts, ok):
 
 
 def test_reference_only_request_options_need_the_cpu_engine(monkeypatch):
-    """The top-up, a Selector over several queries and whole-page selection per request: taken by the CPU engine's eager
+    """The top-up and whole-page selection per request: taken by the CPU engine's eager
     server (REFERENCE_ENV "1"), refused with what they need on a GPU server (the packed
     Triton path would not read the top-up, and skips a selection's empty entries only on a
     server launched with whole pages); whole pages on the FlashInfer fast path: refused."""
@@ -150,17 +150,12 @@ def test_reference_only_request_options_need_the_cpu_engine(monkeypatch):
 
     monkeypatch.setenv(EAGER_ENV, "1")
     for opts, why in (({"topup_pages": 2}, "torch reference of SGLang's CPU engine"),
-                      ({"selector_queries": 8}, "--sfi-selector-queries run only in the torch reference"),
                       ({"selection_page": 16}, r"differ from the server's --sfi-selection-page \(1\) on a GPU")):
         monkeypatch.setenv(REFERENCE_ENV, "1")
         assert request_config(SFIConfig(), {"sfi": opts})[1] != SFIConfig()
         monkeypatch.setenv(REFERENCE_ENV, "0")
         with pytest.raises(SFIConfigError, match=why):
             request_config(SFIConfig(), {"sfi": opts})
-    with pytest.raises(SFIConfigError, match=r"--sfi-selector-queries \(9\) must be <= --sfi-window \(8\)"):
-        SFIConfig(window=8, selector_queries=9)
-    with pytest.raises(SFIConfigError, match="--sfi-selector-queries must be a positive integer"):
-        SFIConfig(selector_queries=0)
     pages = SFIConfig(selection_page=16)
     assert request_config(pages, {"sfi": {"budget": 512}})[1].selection_page == 16  # the server's
     with pytest.raises(SFIConfigError, match="--sfi-selection-page > 1 needs --sfi-fast-path triton or triton-pool"):

@@ -246,48 +246,6 @@ def test_topup_every_n_layers_reuses_the_groups_pages():
     assert host.topup(2, slot, 6, qs[2], st["k"], tokens, cfg) is not got[1]  # a new step
 
 
-def test_slow_step_selector_pools_the_last_queries():
-    """--sfi-selector-queries R on the host path: a slow step selects from its query and the
-    R - 1 before it at that layer. R copies of one query select what that query alone
-    selects through the slow pass's own scores (the prior's weight cap made equal); four
-    distinct steps with R = 3 select what the last three queries select together."""
-    from types import SimpleNamespace
-
-    from sfi_sglang.integration.slots import Request
-    from sfi_sglang.method.baselines import HostPath
-    from sfi_sglang.method.selector import KeyNorms, Selection
-
-    Hkv, G, D, n = 2, 3, 16, 120
-    st, gen = make_pool([n], Hkv, G, D, seed=11)
-    slot = int(st["rpi"][0])
-    qs = torch.randn(4, 1, Hkv * G, D, generator=gen).to(DEV)
-    base = dict(sinks=4, window=8, budget=16, dense_layers=(), lambda_max_multi=0.35)
-
-    def held_after(queries, r):
-        cfg = SFIConfig(**base, selector_queries=r)
-        mem = SparseMemory(2, [0, 1], 8, Hkv, D, cfg, DEV, torch.float32, packed=False)
-        norms = KeyNorms(2, st["k"].shape[0], Hkv, DEV)
-        for t in norms.layers:
-            t.copy_(st["k"].float().norm(dim=-1))
-        sel = Selection(cfg, mem, norms, lambda lid: (st["k"], st["v"]), st["rtt"], [0, 1])
-        host = HostPath(mem, None, SimpleNamespace(steps=torch.zeros(8, dtype=torch.int64)), sel, None)
-        req = Request(cfg=cfg, enabled=True, host=True, host_step=0, host_slow=True)
-        batch = SimpleNamespace(seq_lens=st["seq_lens"], req_pool_indices=st["rpi"])
-        for q in queries:  # every step slow: each one selects
-            o = torch.empty_like(q)
-            host.decode(1, o, q, st["k"], st["v"], st["rtt"], batch, D ** -0.5, [(0, slot, req)])
-        assert sorted(req.recent_queries) == ([1] if r > 1 else [])
-        pos, count = mem.held(1, slot)
-        return pos.clone(), sel
-
-    one, _ = held_after([qs[0]], 1)
-    assert torch.equal(held_after([qs[0]] * 3, 3)[0], one)
-    pooled, sel = held_after(qs, 3)
-    assert not torch.equal(pooled, held_after([qs[3]], 1)[0])  # the earlier queries count
-    sel.bootstrap(1, qs[1:, 0], slot, n, sel.cfg, D ** -0.5)  # the last three, as one bootstrap
-    assert torch.equal(pooled, sel.memory.held(1, slot)[0])
-
-
 def test_reference_fast_step_with_extra_positions():
     """attend_fast(extra=...) == float64 attention over the memory's positions and the extra
     ones (deduplicated; -1 and positions past a row's context read nothing)."""

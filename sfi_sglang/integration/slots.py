@@ -8,7 +8,7 @@ same slot; this module starts, saves and restores it."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -39,8 +39,6 @@ class Request:
     # host path: the decode step last decided (baselines.HostPath.is_slow) and its verdict
     host_step: Optional[int] = None
     host_slow: bool = True
-    # host path, selector_queries > 1: layer -> its last decode queries (HostPath)
-    recent_queries: dict = field(default_factory=dict)
 
     @property
     def refreshes(self) -> bool:

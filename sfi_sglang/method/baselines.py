@@ -8,8 +8,6 @@ them (and requests whose options the device step cannot serve) in eager decode s
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -132,7 +130,6 @@ class HostPath:
                 o[i] = mem.attend_positions(q[i:i + 1], kc, vc, r2t, rpi, [pos], scale, None)[0]
                 continue
             sl = forward_batch.seq_lens[i:i + 1]
-            recent = self._recent_queries(req, lid, q[i])
             if not self.is_slow(slot, req):
                 extra = (self.topup(lid, slot, req.host_step, q[i], kc, r2t[slot], cfg)
                          if cfg.topup_pages else None)
@@ -143,23 +140,8 @@ class HostPath:
             # CPU: backend._host_only), and its logits make the new selection
             od, scores = mem.attend_slow(lid, q[i:i + 1], kc, vc, r2t, rpi, sl, scale, max_len=n)
             o[i] = od[0]
-            if recent is not None:  # this step's query and the ones before it, as a bootstrap
-                self.selection.bootstrap(lid, recent, slot, n, cfg, scale)
-                continue
             self.selection.layer(lid, rpi, torch.ones(1, dtype=torch.bool, device=scores.device), scores,
                                  sl.to(torch.int64), cfg=cfg)
-
-    @staticmethod
-    def _recent_queries(req, lid: int, q) -> Optional[torch.Tensor]:
-        """With cfg.selector_queries R > 1: the request's last R decode queries at layer lid
-        [<= R, H_q, D], oldest first, this step's (q) last; kept on the request's record."""
-        r = req.cfg.selector_queries
-        if r <= 1:
-            return None
-        kept = req.recent_queries.setdefault(lid, [])
-        kept.append(q.detach().clone())
-        del kept[:-r]
-        return torch.stack(kept)
 
     def topup(self, lid: int, slot: int, step: int, q, k_cache, tokens, cfg) -> torch.Tensor:
         """The top-up pages [1, H_kv, E] of slot's fast step `step` at layer lid

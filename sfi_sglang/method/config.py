@@ -70,11 +70,6 @@ class SFIConfig:
     dense_layers: tuple[int, ...] = (0, 1)
     # last prompt query rows used for the bootstrap selection at the end of prefill
     bootstrap_rows: int = 8
-    # a slow step's Selector pools the logits of the last selector_queries decode queries
-    # (this step's and the ones before it, over the same keys, as the bootstrap pools the
-    # prompt's last rows); 1 = this step's query only. The torch reference only (eager
-    # decode steps): docs/method.md
-    selector_queries: int = 1
     # selector (see selector.py; names follow docs/method.md)
     fusion: str = "arithmetic"           # "arithmetic" | "geometric"
     alpha: float = 0.5
@@ -170,7 +165,7 @@ class SFIConfig:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
         for name in ("window", "budget", "min_gap", "max_interval", "bootstrap_rows", "topup_every",
-                     "selection_page", "selector_queries"):
+                     "selection_page"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 bad(name, "a positive integer")
@@ -178,10 +173,6 @@ class SFIConfig:
             v = getattr(self, name)
             if not is_int(v) or v < 0:
                 bad(name, "a non-negative integer")
-        if self.selector_queries > self.window:
-            raise SFIConfigError(
-                f"{cli_name('selector_queries')} ({self.selector_queries}) must be <= "
-                f"{cli_name('window')} ({self.window}): the earlier queries' own tokens stay in the window")
         if self.max_interval < self.min_gap:
             raise SFIConfigError(
                 f"{cli_name('max_interval')} ({self.max_interval}) must be >= "

@@ -27,8 +27,7 @@ EXTRA_IDS_KEY = "sfi_extra_boundary_ids"
 # Per-request options that count tokens: at most the model's context length (a larger one
 # means nothing more; window or max_interval 10**12 overflowed the scheduler's int tensors).
 TOKEN_COUNT_OPTIONS = ("window", "min_gap", "cooldown", "max_interval", "bootstrap_rows",
-                       "page_size", "nms_radius", "pool_radius", "topup_pages", "selection_page",
-                       "selector_queries")
+                       "page_size", "nms_radius", "pool_radius", "topup_pages", "selection_page")
 
 
 @dataclass(frozen=True)
@@ -137,9 +136,8 @@ def on_device_path(cfg: SFIConfig, server: SFIConfig) -> bool:
 
 def reference_only(cfg: SFIConfig) -> list[str]:
     """The options of cfg that only the torch reference runs (baselines.HostPath, eager
-    decode steps), as flags: the top-up, a Selector over several decode queries."""
-    return ([cli_name("topup_pages")] if cfg.topup_pages else []) + (
-        [cli_name("selector_queries")] if cfg.selector_queries > 1 else [])
+    decode steps), as flags: the top-up."""
+    return [cli_name("topup_pages")] if cfg.topup_pages else []
 
 
 def _json_type(value) -> str:
