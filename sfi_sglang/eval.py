@@ -47,14 +47,16 @@ from sfi_sglang.texts import passkey_prompt, retrieval_case, retrieval_prompt
 # ---------------------------------------------------------------- in the scheduler process
 _REFERENCE: dict[str, dict[int, torch.Tensor]] = {}  # key -> step -> dense log-probs
 _WAITING: dict[tuple, list] = {}  # (key, step) -> [(rid, log-probs)] scored before the dense step
-_RESULTS: dict[str, dict] = {}  # rid -> {"steps", "agree", "kl"}
+_RESULTS: dict[str, dict] = {}  # rid -> {"steps", "agree", "kl", "kl_steps"}
 
 
-def _score(rid: str, dense: torch.Tensor, logp: torch.Tensor) -> None:
-    res = _RESULTS.setdefault(rid, {"steps": 0, "agree": 0, "kl": 0.0})
+def _score(rid: str, step: int, dense: torch.Tensor, logp: torch.Tensor) -> None:
+    res = _RESULTS.setdefault(rid, {"steps": 0, "agree": 0, "kl": 0.0, "kl_steps": {}})
+    kl = float((dense.exp() * (dense - logp)).sum())
     res["steps"] += 1
     res["agree"] += int(dense.argmax() == logp.argmax())
-    res["kl"] += float((dense.exp() * (dense - logp)).sum())
+    res["kl"] += kl
+    res["kl_steps"][step] = round(kl, 5)  # by decode step (slow_at's numbering)
 
 
 class TeacherForce(CustomLogitProcessor):
@@ -75,9 +77,9 @@ class TeacherForce(CustomLogitProcessor):
                 if ev["role"] == "reference":
                     ref[step] = logp.cpu()
                     for rid, waiting in _WAITING.pop((ev["key"], step), []):
-                        _score(rid, ref[step], waiting)
+                        _score(rid, step, ref[step], waiting)
                 elif step in ref:
-                    _score(req.rid, ref[step].to(logp.device), logp)
+                    _score(req.rid, step, ref[step].to(logp.device), logp)
                 else:
                     _WAITING.setdefault((ev["key"], step), []).append((req.rid, logp.cpu()))
             tokens = ev["tokens"]
@@ -135,6 +137,12 @@ METHODS = {
     # half of K held, half chosen per step: nearer Quest, still refreshed at boundaries
     "sfi-lines-pages-topup-half": Method("sfi-lines-pages-topup-half", {
         "extra_boundaries": "line", "selection_page": 16, "topup_share": 0.5}),
+    # the hybrid's Selector without its structural prior, or without neighbourhood pooling
+    # (both chosen on SmolLM2): is the held part's choice what trails Quest on prose?
+    "sfi-lines-pages-topup-no-prior": Method("sfi-lines-pages-topup-no-prior", {
+        "extra_boundaries": "line", "selection_page": 16, "topup_share": 0.25, "use_prior": False}),
+    "sfi-lines-pages-topup-no-pool": Method("sfi-lines-pages-topup-no-pool", {
+        "extra_boundaries": "line", "selection_page": 16, "topup_share": 0.25, "pool_radius": 0}),
     # the top-up chosen at every 8th sparse layer and reused by the next 7 (TidalDecode's idea)
     "sfi-topup-reused": Method("sfi-topup-reused", {"topup_share": 0.25, "topup_every": 8}),
     "sfi-lines-pages-topup-reused": Method("sfi-lines-pages-topup-reused", {
@@ -301,7 +309,10 @@ def run(args, plan: dict) -> dict:
                                  "retention": r, "method": m, **opt,
                                  "top1_agreement": ev.get("agree", 0) / steps,
                                  "mean_kl": ev.get("kl", 0.0) / steps, "steps": ev.get("steps", 0),
-                                 "slow_steps": info["slow_steps"],
+                                 "slow_steps": info["slow_steps"], "slow_at": info.get("slow_at", []),
+                                 # KL per scored step, in step order (steps from 1)
+                                 "kl_steps": [v for _, v in sorted((int(k), v) for k, v in
+                                                                   ev.get("kl_steps", {}).items())],
                                  # shared_prefill's check: the prompt but its last rows came from
                                  # the radix cache, and the selection was this run's own
                                  "cached_tokens": out["meta_info"].get("cached_tokens"),
