@@ -11,6 +11,10 @@ least-squares line of SFI's step time against the slow-step rate through its mea
 read at each SFI row's rate of `--price-context`; adaptive rows add the trigger signal's cost,
 adaptive minus interval step time of bench/adaptive_h200.sh's two JSONs (`--signal`), where
 that shape was measured.
+
+`--by-age METHOD`: each method's KL by steps since METHOD's last slow step, over the same
+steps of each text (results whose rows carry `kl_steps` and `slow_at`): whether a held
+selection goes stale between refreshes.
   python bench/paired_quality.py bench/results/quality_h200.json --against quest \
       --price bench/results/refresh_h200.json > bench/results/quality_h200_paired.md
 """
@@ -28,6 +32,8 @@ def main() -> None:
     ap.add_argument("result", nargs="+", help="JSONs written by `sfi-sglang eval quality` (several: runs "
                     "on the same texts, whose rows are paired by each text's source and start)")
     ap.add_argument("--against", default="quest", help="the reference method")
+    ap.add_argument("--by-age", metavar="METHOD", help="also each method's mean KL by steps since "
+                    "METHOD's last slow step, over the same steps of each text (rows with kl_steps)")
     ap.add_argument("--price", help="a refresh curve JSON (bench/plot_refresh.py)")
     ap.add_argument("--price-context", type=int, default=8000)
     ap.add_argument("--signal", nargs=2, metavar=("INTERVAL", "ADAPTIVE"),
@@ -59,6 +65,8 @@ def main() -> None:
         print(f"| {ctx} | {ret:.0%} | {m} | {len(common)} | {ci(dkl)} | {ci(dtop, 100, '+.1f')} |")
     print("\nIntervals: 95% Student t-interval over the per-text differences (text = unit).")
     equal_reads(by, args.against, ci)
+    if args.by_age:
+        by_age(by, args.by_age, ci)
     if args.price:
         price(rows, args)
 
@@ -94,6 +102,42 @@ def equal_reads(by: dict, against: str, ci) -> None:
         print(f"| context | retention | method | reads vs dense | texts | mean KL - {against}'s (nat) [95% CI] "
               f"| top-1 - {against}'s (points) [95% CI] |")
         print("|---|---|---|---|---|---|---|")
+        print("\n".join(lines))
+
+
+AGE_BUCKETS = ((1, 4), (5, 9), (10, 19), (20, 10**9))
+
+
+def by_age(by: dict, clock: str, ci) -> None:
+    """KL by steps since the last slow step of `clock` (a method's rows, with `kl_steps` and
+    `slow_at`): per text, the step's age is its distance to clock's latest slow step at or
+    before it (steps before the first one count from prefill's end, step 0); every method's
+    KL is averaged over the same steps of the text, then over texts (95% t-interval). Decode
+    step s is kl_steps[s - 1]."""
+    lines = []
+    for (ctx, ret, m), texts in sorted(by.items()):
+        ref = by.get((ctx, ret, clock))
+        if ref is None or "kl_steps" not in next(iter(texts.values())):
+            continue
+        cells = []
+        for lo, hi in AGE_BUCKETS:
+            means = []
+            for t, row in texts.items():
+                if t not in ref:
+                    continue
+                slow = sorted(ref[t].get("slow_at", []))
+                ks = [row["kl_steps"][s - 1] for s in range(1, len(row["kl_steps"]) + 1)
+                      if lo <= s - max([0] + [x for x in slow if x <= s]) <= hi]
+                if ks:
+                    means.append(sum(ks) / len(ks))
+            cells.append(ci(means, fmt=".4f") if means else "n/a")
+        lines.append(f"| {ctx} | {ret:.0%} | {m} | " + " | ".join(cells) + " |")
+    if lines:
+        print(f"\nMean KL (nat) by steps since {clock}'s last slow step (age 0: the slow step itself, "
+              "left out), over the same steps of each text, 95% t-interval over texts:\n")
+        print("| context | retention | method | " + " | ".join(
+            f"age {lo}-{hi}" if hi < 10**9 else f"age {lo}+" for lo, hi in AGE_BUCKETS) + " |")
+        print("|---|---|---|" + "---:|" * len(AGE_BUCKETS))
         print("\n".join(lines))
 
 

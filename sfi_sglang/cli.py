@@ -77,7 +77,7 @@ def serve(argv: list[str]) -> int:
     server_args = prepare_server_args(rest)
     if not args.disable_sfi:
         try:
-            cfg.check_tp(server_args.tp_size)
+            cfg.check_server(server_args.tp_size, server_args.kv_cache_dtype)
         except SFIConfigError as err:
             parser.error(str(err))
     from sfi_sglang.engine import cpu_parallel_args

@@ -143,7 +143,7 @@ def Engine(*, disable_sfi: bool = False, **kwargs):
     cfg = SFIConfig.from_dict(sfi)
     out = launch_kwargs(kwargs, cfg, enabled=not disable_sfi)
     if not disable_sfi:
-        cfg.check_tp(int(out.get("tp_size") or 1))
+        cfg.check_server(int(out.get("tp_size") or 1), out.get("kv_cache_dtype") or "auto")
     ranks = 1
     for key in ("tp_size", "dp_size", "pp_size"):
         ranks *= int(out.get(key) or 1)

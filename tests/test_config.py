@@ -204,7 +204,19 @@ def test_adaptive_refresh_needs_an_adaptive_server_and_one_tp_rank(monkeypatch):
     _, cfg = request_config(adaptive, {"sfi": {"adaptive_threshold": 0.25}})
     assert cfg.refresh == "adaptive" and cfg.adaptive_threshold == 0.25
     assert request_config(adaptive, {"sfi": {"refresh": "boundary"}})[1].refresh == "boundary"
-    adaptive.check_tp(1)
-    SFIConfig().check_tp(2)
+    adaptive.check_server(1)
+    SFIConfig().check_server(2)
     with pytest.raises(SFIConfigError, match="--tp-size 1"):
-        adaptive.check_tp(2)
+        adaptive.check_server(2)
+
+
+def test_fp8_kv_cache_is_refused_before_launch():
+    """SFI reads bf16/fp16 K and V: --kv-cache-dtype fp8_* stops a launch before any process
+    starts, naming the flag and what to do (Engine here; the CLI and the backend call the
+    same check)."""
+    import sfi_sglang
+
+    SFIConfig().check_server(1, "auto")
+    SFIConfig().check_server(1, "bf16")
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8_e4m3 is not supported with SFI yet: leave"):
+        sfi_sglang.Engine(model_path="m", kv_cache_dtype="fp8_e4m3")

@@ -82,8 +82,9 @@ class SFIAttnBackend(AttentionBackend):
         r2t = self.req_to_token_pool.req_to_token
         mc = model_runner.model_config
         self.num_layers = mc.num_hidden_layers
-        tp = getattr(getattr(model_runner, "server_args", None), "tp_size", 1) or 1
-        cfg.check_tp(tp)
+        args = getattr(model_runner, "server_args", None)
+        tp = getattr(args, "tp_size", 1) or 1
+        cfg.check_server(tp, getattr(args, "kv_cache_dtype", "auto"))
         self.num_q_heads = max(1, mc.num_attention_heads // tp)
         max_slots = r2t.shape[0]
         k0 = self.token_to_kv_pool.get_key_buffer(0)
