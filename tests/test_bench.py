@@ -384,3 +384,27 @@ def test_speed_launches_share_fixed_batch_configs():
     assert [got[1]["caps"]["best"], got[2]["caps"]["best"]] == [64, 128]
     assert [x["engine"] for x in got[3:]] == ["sfi", "dense-best"]
     assert all(x["parts"][0][0] == 8192 and x["caps"]["graph_batches"] for x in got[3:])
+
+
+def test_paired_quality_kl_by_steps_since_a_refresh(capsys):
+    """bench/paired_quality.py --by-age: a step's age is its distance to the clock method's
+    latest slow step at or before it (prefill's end is step 0; slow steps themselves are
+    left out), and every method is averaged over the same steps of each text."""
+    import paired_quality
+
+    def row(method, kl, slow, text):
+        return {"kind": "teacher_forced", "context": 64, "retention": 0.15, "method": method,
+                "source": "s", "start": text, "mean_kl": sum(kl) / len(kl), "top1_agreement": 1.0,
+                "kl_steps": kl, "slow_at": slow}
+
+    texts = [row("sfi", [1, 2, 3, 4, 5, 6], [3], 0), row("quest", [6, 6, 0, 6, 6, 9], [], 0),
+             row("sfi", [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2], [], 1)]
+    by = {}
+    for r in texts:
+        by.setdefault((r["context"], r["retention"], r["method"]), {})[(r["source"], r["start"])] = r
+    paired_quality.by_age(by, "sfi", lambda v, fmt: f"{sum(v) / len(v):{fmt}}")
+    lines = {ln.split("|")[3].strip(): [c.strip() for c in ln.split("|")[4:8]]
+             for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 64 ")}
+    # sfi, text 0: ages 1, 2, (0), 1, 2, 3 -> 3.6 over ages 1-4; text 1: ages 1..12 -> 2 each
+    assert lines["sfi"] == ["2.8000", "2.0000", "2.0000", "n/a"]
+    assert lines["quest"] == ["6.6000", "n/a", "n/a", "n/a"]  # its text 0 only, same steps

@@ -40,6 +40,9 @@ def test_eval_quality_smoke(tmp_path):
         # one prefill per text: each run extended only the rows its own selection reads
         assert row["cached_tokens"] == 512 - BOOTSTRAP_ROWS and row["bootstrap_reused"] == 0
         assert 0.0 <= row["top1_agreement"] <= 1.0 and row["mean_kl"] >= 0.0
+        # each scored step's KL (bench/paired_quality.py --by-age), their mean the row's
+        assert len(row["kl_steps"]) == 5 and sum(row["kl_steps"]) / 5 == pytest.approx(row["mean_kl"], abs=1e-5)
+        assert all(1 <= s <= 6 for s in row["slow_at"]) and len(row["slow_at"]) == row["slow_steps"]
     assert all(row["slow_steps"] == 0 for row in tf if row["method"] == "streaming")  # no slow steps
     # an adaptive method makes the engine adaptive; the others then keep the boundary trigger
     assert {row["refresh"] for row in tf if row["method"] == "sfi"} == {"boundary"}
