@@ -324,6 +324,15 @@ def launches(args, engines: list[str], configs: list[tuple[int, int]], sweep: li
     return out
 
 
+def record_step(row: dict, name: str, step_ms: float) -> None:
+    """One launch's step time of engine `name` in a row: every launch's in
+    `step_ms_rounds[name]`, their median in `step_ms[name]` (--rounds)."""
+    times = sorted(row.setdefault("step_ms_rounds", {}).setdefault(name, []) + [step_ms])
+    row["step_ms_rounds"][name].append(step_ms)
+    mid = len(times) // 2
+    row["step_ms"][name] = round(times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2, 3)
+
+
 def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) -> dict:
     base = "sfi" if name.startswith("sfi") else "dense-graph"
     kw = S.engine_kwargs(args, base, path, ctx, batch)
@@ -367,6 +376,9 @@ def main(argv=None) -> int:
     p.add_argument("--slow-every", type=int, default=24)
     p.add_argument("--mem-fraction", type=float, default=0.8)
     p.add_argument("--dense-below", type=int, default=16384, help="the sfi-below engine's --sfi-dense-below")
+    p.add_argument("--rounds", type=int, default=1, help="launch every engine this many times, round by "
+                   "round (A, B, A, B): two launches of one engine differ by 3-6%% at batch 1 "
+                   "(bench/NOTES.md section 36); a row's step_ms is each engine's median over rounds")
     p.add_argument("--deadline-s", type=float, default=560, help="launch no engine after this")
     p.add_argument("--tokenizer", default=os.environ.get("SFI_TOKENIZER_DIR", ""))
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
@@ -451,12 +463,14 @@ def main(argv=None) -> int:
             row["of_ideal"] = round(row["speedup"] / row["ideal_ratio"], 3)
 
     save()
-    for launch in launches(args, engines, configs, result["sweep"]):
+    plan = launches(args, engines, configs, result["sweep"])
+    for rnd, launch in ((r, x) for r in range(args.rounds) for x in plan):
         name, parts, caps = launch["engine"], launch["parts"], launch["caps"]
         ctx = S.context_length(args, max(n for n, _ in parts))
         b = max(max(bs) for _, bs in parts)
         left = args.deadline_s - (time.perf_counter() - t_start)
-        info = dict(engine=name, context=parts[0][0], contexts=[n for n, _ in parts], batch=b, context_length=ctx)
+        info = dict(engine=name, context=parts[0][0], contexts=[n for n, _ in parts], batch=b, context_length=ctx,
+                    round=rnd)
         result["runs"].append(info)
         if left < 60:
             info["error"] = f"skipped: {left:.0f} s left before the deadline"
@@ -502,8 +516,8 @@ def main(argv=None) -> int:
                         if row is None:
                             row = rows[key] = dict(context=n, batch=key[1], step_ms={}, detail={})
                             result["rows"].append(row)
-                        row["step_ms"][name] = detail["step_ms"]
-                        row["detail"][name] = detail
+                        record_step(row, name, detail["step_ms"])
+                        row["detail"][name] = detail  # the last round's
                         finish(row)
                     save()
                     print(f"[{name}] {n}x{batch}: {json.dumps(detail)}", flush=True)

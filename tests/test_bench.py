@@ -408,3 +408,17 @@ def test_paired_quality_kl_by_steps_since_a_refresh(capsys):
     # sfi, text 0: ages 1, 2, (0), 1, 2, 3 -> 3.6 over ages 1-4; text 1: ages 1..12 -> 2 each
     assert lines["sfi"] == ["2.8000", "2.0000", "2.0000", "n/a"]
     assert lines["quest"] == ["6.6000", "n/a", "n/a", "n/a"]  # its text 0 only, same steps
+
+
+def test_speed_rounds_keep_every_launch_and_the_median():
+    """bench/speed_h200.py --rounds: a row keeps each launch's step time of an engine and
+    reports their median (two launches of one engine differ by 3-6% at batch 1)."""
+    import speed_h200
+
+    row = {"step_ms": {}}
+    for ms in (8.0, 9.0, 8.4):
+        speed_h200.record_step(row, "sfi", ms)
+    speed_h200.record_step(row, "dense-flashinfer", 9.1)
+    speed_h200.record_step(row, "dense-flashinfer", 9.3)
+    assert row["step_ms_rounds"] == {"sfi": [8.0, 9.0, 8.4], "dense-flashinfer": [9.1, 9.3]}
+    assert row["step_ms"] == {"sfi": 8.4, "dense-flashinfer": 9.2}
