@@ -794,8 +794,8 @@ def holes(l2_bytes):
 def tune(l2_bytes):
     """Sweeps for choosing kernel defaults: fast kernel (block, splits, warps, stages,
     fused reduce) at B=1 and B=8; dense+scores kernel at 128K B=8."""
-    Hkv, G, D, S, W, Kc = (DIMS[k] for k in ("Hkv", "G", "D", "S", "W", "Kc"))
-    Hq, P = Hkv * G, S + Kc
+    Hkv, G, D, W = (DIMS[k] for k in ("Hkv", "G", "D", "W"))
+    Hq = Hkv * G
     scale = D ** -0.5
     N = 8192 if not SMOKE else 256
     for B in (8, 1):

@@ -62,6 +62,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -327,10 +328,9 @@ def launches(args, engines: list[str], configs: list[tuple[int, int]], sweep: li
 def record_step(row: dict, name: str, step_ms: float) -> None:
     """One launch's step time of engine `name` in a row: every launch's in
     `step_ms_rounds[name]`, their median in `step_ms[name]` (--rounds)."""
-    times = sorted(row.setdefault("step_ms_rounds", {}).setdefault(name, []) + [step_ms])
-    row["step_ms_rounds"][name].append(step_ms)
-    mid = len(times) // 2
-    row["step_ms"][name] = round(times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2, 3)
+    times = row.setdefault("step_ms_rounds", {}).setdefault(name, [])
+    times.append(step_ms)
+    row["step_ms"][name] = round(statistics.median(times), 3)
 
 
 def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) -> dict:
