@@ -1,19 +1,21 @@
-"""FlashInfer fast path (kernels/flashinfer_fast.py) vs the Triton fast kernel, one H200.
+"""FlashInfer fast path (kernels/flashinfer_fast.py) vs the Triton fast kernels, one GPU.
 
-Predictions and outcomes in bench/NOTES.md section 7. Needs FlashInfer
+Predictions and outcomes in bench/NOTES.md sections 14 and 41. Needs FlashInfer
 importable (bench/flashinfer_h200.sh unpacks a trimmed copy and runs this):
     python3 bench/flashinfer_h200.py --out $OUT
 
-Both paths run through SparseMemory (sfi_sglang/method/memory.py), the backend's code:
-  triton      store packs sinks + selected; attend_fast = one kernels.fast_decode launch
-  flashinfer  store packs nothing; plan_fast once per step (host); attend_fast = one Triton
-              launch writing the page lists + one FlashInfer BatchDecode launch (page size 1,
-              KV heads folded into the batch)
+All paths run through SparseMemory (sfi_sglang/method/memory.py), the backend's code:
+  triton       store packs sinks + selected; attend_fast = one kernels.fast_decode launch
+  triton-pool  the same kernel reading sinks + selected in place (nothing packed)
+  flashinfer   nothing packed; plan_fast once per batch size (host), fast_lists once per
+               step, attend_fast = the lists (one Triton launch), FlashInfer's decode over
+               rows of <= 128 entries, the rows' merge (one Triton launch): no host work
   1. Correctness vs float64 (kernels.reference.ref_fast_decode over the same selection):
-     ragged small shapes (G = 1, 4, 8) and Qwen3-4B shapes at 32K B=8.
-  2. Per-layer times at N in {8K, 32K, 128K} x B in {1, 8} (budget 4 + 2048 + 256):
-     dense SDPA, triton fast, flashinfer fast (pages + run), flashinfer run alone, plan
-     (host wall clock), pack (what the flashinfer path saves at each slow step).
+     ragged small shapes (G = 1, 4, 8) and Qwen3-4B shapes at 32K B=8, eagerly and in a
+     CUDA graph replayed after the lengths, window starts and selections changed (shorter
+     lists than planned, other counts).
+  2. Per-layer times (CUDA-graph replays) at N in {8K, 32K, 128K} x B in {1, 8} (budget
+     4 + 2048 + 256): dense SDPA, each fast path, FlashInfer's decode alone.
 Writes flashinfer_h200.json, prints a table last.
 """
 
@@ -22,7 +24,6 @@ import json
 import math
 import os
 import pathlib
-import statistics
 import sys
 import time
 import traceback
@@ -39,11 +40,10 @@ MEM = KH.load_memory()
 _, CFG = KH.load_selector()
 
 
-def memories(S, W, Kc, M, Hkv, D, dtype, use_tc=False):
+def memories(S, W, Kc, M, Hkv, D, dtype, G=1):
     base = CFG.SFIConfig(sinks=S, window=W, budget=Kc, dense_layers=())
-    tri = MEM.SparseMemory(1, [0], M, Hkv, D, base, DEV, dtype, packed=True)
-    fi = MEM.SparseMemory(1, [0], M, Hkv, D, base.replace(fast_path="flashinfer"), DEV, dtype, packed=True)
-    return tri, fi
+    return [MEM.SparseMemory(1, [0], M, Hkv, D, base.replace(fast_path=fp), DEV, dtype, packed=True, group=G)
+            for fp in ("triton", "triton-pool", "flashinfer")]
 
 
 def store_random(mems, rpi, seq_lens, S, W, Kc, kc, vc, r2t, gen=None):
@@ -87,35 +87,52 @@ def correctness():
             r2t[rpi[b], :n] = perm[off:off + n]
             off += n
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-        tri, fi = memories(S, W, Kc, M, Hkv, D, dtype)
-        store_random([tri, fi], rpi, seq_lens, S, W, Kc, kc, vc, r2t)
+        tri, pool, fi = memories(S, W, Kc, M, Hkv, D, dtype, G)
+        store_random([tri, pool, fi], rpi, seq_lens, S, W, Kc, kc, vc, r2t)
         q = torch.randn(B, Hkv * G, D, device=DEV, dtype=dtype)
         sm = D ** -0.5
-        want = ref(q, kc, vc, r2t, rpi, seq_lens, tri.fast_ws[rpi], tri.packed_k[0], tri.packed_v[0],
-                   tri.packed_len, sm)
-        plan = fi.plan_fast(0, rpi, seq_lens, G, sm)
-        out = torch.full_like(q, float("nan"))
-        fi.attend_fast(0, q, kc, vc, r2t, rpi, seq_lens, sm, out=out, fast_plan=plan)
-        o_t = tri.attend_fast(0, q, kc, vc, r2t, rpi, seq_lens, sm)
         tag = f"G{G} D{D} {str(dtype)[6:]} lens{lens[:4]}"
-        ok &= check(f"flashinfer_fast {tag}", KH.rel_err(out, want), 2e-2)
-        ok &= check(f"triton_fast {tag}", KH.rel_err(o_t, want), 2e-2)
-        del kc, vc
+        fi.plan_fast(B, sm)
+        out = torch.full_like(q, float("nan"))
+
+        def step():
+            fi.attend_fast(0, q, kc, vc, r2t, rpi, seq_lens, sm, out=out,
+                           fast_plan=fi.fast_lists(rpi, seq_lens))
+
+        def want():
+            return ref(q, kc, vc, r2t, rpi, seq_lens, tri.fast_ws[rpi], tri.packed_k[0], tri.packed_v[0],
+                       tri.packed_len, sm)
+
+        step()
+        ok &= check(f"flashinfer_fast {tag}", KH.rel_err(out, want()), 2e-2)
+        ok &= check(f"triton_fast {tag}", KH.rel_err(tri.attend_fast(0, q, kc, vc, r2t, rpi, seq_lens, sm),
+                                                      want()), 2e-2)
+        ok &= check(f"triton_pool_fast {tag}", KH.rel_err(pool.attend_fast(0, q, kc, vc, r2t, rpi, seq_lens, sm),
+                                                          want()), 2e-2)
+        # a graph of the step, replayed after the state moved: shorter contexts (down to
+        # one window token), new selections with fewer positions, new queries
+        s_ = torch.cuda.Stream()
+        s_.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s_):
+            step()
+        torch.cuda.current_stream().wait_stream(s_)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        for trial in range(3):
+            n_sel = [max(S + 1, int(n * (0.3 + 0.3 * trial))) for n in lens]
+            store_random([tri, pool, fi], rpi, torch.tensor(n_sel, dtype=torch.int32, device=DEV), S, W,
+                         max(1, Kc // (trial + 2)), kc, vc, r2t)
+            seq_lens.copy_(torch.tensor([min(n, s + 1 + trial * 7) for n, s in zip(lens, n_sel)]))
+            q.normal_()
+            out.fill_(float("nan"))
+            g.replay()
+            ok &= check(f"flashinfer_fast graph replay {trial} {tag}", KH.rel_err(out, want()), 2e-2)
+        del kc, vc, g
     return ok
 
 
-def host_ms(fn, reps=10):
-    ts = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(ts)
-
-
-def run_config(N, B, l2, use_tc):
+def run_config(N, B, l2):
     Hkv, G, D, S, W, Kc = (KH.DIMS[k] for k in ("Hkv", "G", "D", "S", "W", "Kc"))
     Hq, P, elt = Hkv * G, S + Kc, 2
     cfg = {"N": N, "B": B}
@@ -142,45 +159,31 @@ def run_config(N, B, l2, use_tc):
     torch.cuda.empty_cache()
     sets = sets[:n_sets]
     M = len(st["sets"]) * B
-    tri, fi = memories(S, W, Kc, M, Hkv, D, torch.bfloat16)
+    tri, pool, fi = memories(S, W, Kc, M, Hkv, D, torch.bfloat16, G)
     for s in sets:
-        store_random([tri, fi], s["req_pool_indices"], s["seq_lens"], S, W, Kc, kc, vc, r2t)
-    res["fast"] = timed("fast_triton", cfg, [
-        (lambda s=s: tri.attend_fast(0, s["q"], kc, vc, r2t, s["req_pool_indices"], s["seq_lens"], sm,
-                                     out=s["out"])) for s in sets], fast_bytes)
-    plans = [fi.plan_fast(i, s["req_pool_indices"], s["seq_lens"], G, sm) for i, s in enumerate(sets)]
+        store_random([tri, pool, fi], s["req_pool_indices"], s["seq_lens"], S, W, Kc, kc, vc, r2t)
+    for name, mem in (("fast_triton", tri), ("fast_triton_pool", pool)):
+        res[name] = timed(name, cfg, [
+            (lambda s=s, mem=mem: mem.attend_fast(0, s["q"], kc, vc, r2t, s["req_pool_indices"], s["seq_lens"],
+                                                  sm, out=s["out"])) for s in sets], fast_bytes)
+    fi.plan_fast(B, sm)
     res["fi"] = timed("fast_flashinfer", cfg, [
-        (lambda s=s, p=p: fi.attend_fast(0, s["q"], kc, vc, r2t, s["req_pool_indices"], s["seq_lens"], sm,
-                                         out=s["out"], fast_plan=p)) for s, p in zip(sets, plans)], fast_bytes)
+        (lambda s=s: fi.attend_fast(0, s["q"], kc, vc, r2t, s["req_pool_indices"], s["seq_lens"], sm,
+                                    out=s["out"], fast_plan=fi.fast_lists(s["req_pool_indices"], s["seq_lens"])))
+        for s in sets], fast_bytes)
+    fd, n = fi._fi, B * Hkv * fi._fi.C
     kv = (kc.view(-1, 1, 1, D), vc.view(-1, 1, 1, D))
     res["fi_run"] = timed("flashinfer_run_only", cfg, [
-        (lambda s=s, p=p: p.wrapper.run(s["q"].view(B * Hkv, G, D), kv, out=s["out"].view(B * Hkv, G, D)))
-        for s, p in zip(sets, plans)], fast_bytes)
-    s0 = sets[0]
-    res["plan_host_ms"] = host_ms(lambda: fi.plan_fast(0, s0["req_pool_indices"], s0["seq_lens"], G, sm))
-    log(f"  plan (host, per step) {res['plan_host_ms']:.3f} ms")
-    if use_tc:
-        from sfi_sglang.kernels.flashinfer_fast import FlashInferFastDecode, page_counts
-
-        tc = FlashInferFastDecode(Hkv, G, D, DEV, torch.bfloat16, use_tensor_cores=True)
-        rpi = s0["req_pool_indices"]
-        tc.plan(page_counts(rpi, s0["seq_lens"], fi.fast_ws[rpi], fi.n_sinks, fi.sel_count), sm)
-        res["fi_tc"] = timed("fast_flashinfer_tensor_cores", cfg, [
-            lambda: tc.run(s0["q"], kc, vc, r2t, rpi, s0["seq_lens"], fi.fast_ws[rpi], fi.n_sinks,
-                           fi.sel_pos[0], fi.sel_count, out=s0["out"])], fast_bytes)
-    pos = [KH.random_positions(B, Hkv, N, S, Kc, W) for _ in sets]
-    res["pack"] = timed("pack_triton", cfg, [
-        (lambda s=s, p=p: K.pack(kc, vc, r2t, s["req_pool_indices"], p, tri.packed_k[0], tri.packed_v[0]))
-        for s, p in zip(sets, pos)], 2 * B * Hkv * P * D * 2 * elt)
+        lambda: fd.wrappers[B].run(fd.qrows[:n], kv, out=fd.o_rows[:n], lse=fd.lse_rows[:n], return_lse=True)],
+        fast_bytes)
     ms = lambda r: r.get("ms") if isinstance(r, dict) else None
     do = lambda r: r.get("do_bench_ms") if isinstance(r, dict) else None
-    summ = {"N": N, "B": B, "sdpa_ms": ms(res["sdpa"]), "triton_ms": ms(res["fast"]),
-            "triton_do_bench_ms": do(res["fast"]), "flashinfer_ms": ms(res["fi"]),
+    summ = {"N": N, "B": B, "sdpa_ms": ms(res["sdpa"]), "triton_ms": ms(res["fast_triton"]),
+            "triton_pool_ms": ms(res["fast_triton_pool"]), "flashinfer_ms": ms(res["fi"]),
             "flashinfer_do_bench_ms": do(res["fi"]), "flashinfer_run_ms": ms(res["fi_run"]),
-            "flashinfer_tc_ms": ms(res.get("fi_tc", {})), "plan_host_ms": res["plan_host_ms"],
-            "pack_ms": ms(res["pack"]), "fast_bytes": fast_bytes}
+            "rows_per_list": fd.C, "fast_bytes": fast_bytes}
     RESULTS.setdefault("summary", []).append(summ)
-    del tri, fi, plans, st, kc, vc
+    del tri, pool, fi, st, kc, vc
     torch.cuda.empty_cache()
 
 
@@ -239,7 +242,6 @@ def e2e(n=8192, b=4, steps=48):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
-    ap.add_argument("--tensor-cores", action="store_true", help="also time use_tensor_cores=True")
     ap.add_argument("--e2e", action="store_true", help="also the backend end to end, both fast paths")
     ap.add_argument("--configs", default="8192x1,8192x8,32768x1,32768x8,131072x1,131072x8",
                     help="NxB timing configs ('' for none)")
@@ -263,7 +265,7 @@ def main():
     log(f"checks ok: {RESULTS['all_checks_ok']} ({time.time() - t0:.0f}s, includes FlashInfer's JIT build)")
     for N, B in [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",") if c]:
         try:
-            run_config(N, B, l2, args.tensor_cores)
+            run_config(N, B, l2)
         except Exception:
             RESULTS["errors"].append(f"config {N} {B}: {traceback.format_exc()[-1500:]}")
             log(traceback.format_exc()[-1500:])
@@ -281,12 +283,11 @@ def main():
     for e in RESULTS["errors"]:
         log("ERROR:", e[-600:])
     f = lambda v, m=1e3: f"{v * m:8.1f}" if v is not None else f"{'-':>8}"
-    log(f"{'N':>7} {'B':>2} {'sdpa_us':>8} {'tri_us':>8} {'triDo':>8} {'fi_us':>8} {'fiDo':>8} {'fiRun':>8} {'fiTC':>8} {'plan_us':>8} {'pack_us':>8} {'fi/tri':>7}")
+    log(f"{'N':>7} {'B':>2} {'sdpa_us':>8} {'tri_us':>8} {'pool_us':>8} {'fi_us':>8} {'fiRun':>8} {'fi/tri':>7}")
     for s in RESULTS.get("summary", []):
         r = (s["flashinfer_ms"] / s["triton_ms"]) if s["flashinfer_ms"] and s["triton_ms"] else None
-        log(f"{s['N']:>7} {s['B']:>2} {f(s['sdpa_ms'])} {f(s['triton_ms'])} {f(s['triton_do_bench_ms'])} {f(s['flashinfer_ms'])}"
-            f" {f(s['flashinfer_do_bench_ms'])} {f(s['flashinfer_run_ms'])} {f(s['flashinfer_tc_ms'])} {f(s['plan_host_ms'])}"
-            f" {f(s['pack_ms'])} {f(r, 1)}")
+        log(f"{s['N']:>7} {s['B']:>2} {f(s['sdpa_ms'])} {f(s['triton_ms'])} {f(s['triton_pool_ms'])}"
+            f" {f(s['flashinfer_ms'])} {f(s['flashinfer_run_ms'])} {f(r, 1)}")
     log(f"checks ok={RESULTS['all_checks_ok']} wall {time.time() - t0:.0f}s")
 
 

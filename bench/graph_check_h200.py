@@ -45,6 +45,9 @@ def main(argv=None) -> int:
     p.add_argument("--selection-page", type=int, default=1,
                    help="> 1: the Selector keeps whole pages (--sfi-selection-page), checked the same "
                         "way; writes graph_check_h200_pages.json")
+    p.add_argument("--fast-path", choices=("triton", "triton-pool", "flashinfer"), default="triton",
+                   help="the fast path checked (--sfi-fast-path); not triton: writes "
+                        "graph_check_h200_<path>.json and also reports its tokens against triton's")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
 
@@ -87,7 +90,7 @@ def main(argv=None) -> int:
     print(json.dumps(res), flush=True)
     cfg = SFIConfig(budget=512, window=128, refresh=args.refresh, max_interval=args.slow_every,
                     min_gap=min(16, args.slow_every), adaptive_threshold=args.adaptive_threshold,
-                    selection_page=args.selection_page)
+                    selection_page=args.selection_page, fast_path=args.fast_path)
     model = bench.DummyModel(bench.SHAPES[args.shape], dtype, dev)
     B = args.batch
     st = bench.Setup(model, cfg, args.context, B, args.steps, dev, dtype)
@@ -149,9 +152,23 @@ def main(argv=None) -> int:
     res.update(no_sync_in_replayed_steps=sync_ok, sync_error=err)
     print(json.dumps(res), flush=True)
     state.BACKENDS.clear()
+    if args.fast_path != "triton":  # the same requests on the shipped path, graphs on
+        del runner, graph
+        st = bench.Setup(model, cfg.replace(fast_path="triton"), args.context, B, args.steps, dev, dtype)
+        be, reset, slots = st.sfi, st.reset, st.fb.req_pool_indices.tolist()  # mixed_reset's, now
+        st.reset = mixed_reset
+        ids, _, _ = bench.Runner(st, True).run_sfi(first, args.steps)
+        agree = (ids == graph_ids).float()
+        diff = (ids != graph_ids).nonzero()
+        res.update(triton_tokens_equal=bool(torch.equal(ids, graph_ids)),
+                   triton_agreement=round(float(agree.mean()), 4),
+                   triton_first_diff=diff[0].tolist() if diff.numel() else None)
+        print(json.dumps(res), flush=True)
+        state.BACKENDS.clear()
     os.makedirs(args.out, exist_ok=True)
     name = ("graph_check_h200" + ("_adaptive" if args.refresh == "adaptive" else "")
-            + ("_pages" if args.selection_page > 1 else ""))
+            + ("_pages" if args.selection_page > 1 else "")
+            + (f"_{args.fast_path.replace('-', '_')}" if args.fast_path != "triton" else ""))
     with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(res, f, indent=1)
     return 0 if same and sync_ok and (HAS_IF_NODE or res_if["graph_if_available"]) else 1

@@ -24,6 +24,8 @@ Two parts, one process:
                     place from the pool: no packed copy, so its pool holds more sequences)
      sfi-fi         the same with --sfi-dense-backend flashinfer (prefill, dense layers and
                     SFI-off rows on FlashInfer; carry .fi)
+     sfi-fipath     the same with --sfi-fast-path flashinfer (fast steps through FlashInfer's
+                    decode over page lists read in place, in the decode graphs; carry .fi)
      sfi-below      sfi-fi with --sfi-dense-below (--dense-below): steps whose batch holds
                     fewer tokens beyond its sparse memories run FlashInfer's dense decode alone
      sfi-pages      sfi with --sfi-selection-page 16 (the Selector keeps whole pages)
@@ -349,6 +351,8 @@ def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) 
         suffix = f"s{caps['best']}"
     if name == "sfi-pool":  # the fast kernel reads the pool in place (no packed copy)
         kw["sfi_fast_path"] = "triton-pool"
+    elif name == "sfi-fipath":  # fast steps through FlashInfer (no packed copy either)
+        kw["sfi_fast_path"] = "flashinfer"
     elif name in ("sfi-fi", "sfi-below"):  # prefill, dense layers and SFI-off rows on FlashInfer
         kw["sfi_dense_backend"] = "flashinfer"
         if name == "sfi-below":  # and short batches' whole steps

@@ -1,115 +1,232 @@
-"""SFI fast steps through FlashInfer's BatchDecodeWithPagedKVCacheWrapper.
+"""SFI fast steps through FlashInfer's BatchDecodeWithPagedKVCacheWrapper, inside CUDA graphs.
 
 Page size 1, KV heads folded into the batch: SGLang's per-layer K buffer [slots, H_kv, D]
 is viewed as [slots * H_kv, 1 (page size), 1 (KV head), D] (no copy), so page
-slot * H_kv + h holds token slot's key of KV head h. Batch row b * H_kv + h carries the G
-query heads of KV head h of request b and its own page list: the sinks [0, n_sinks), the
-selected positions, the window [win_start, seq_len), all read in place through
-req_to_token. Nothing is packed (the Triton path, kernels.fast_decode, reads a packed copy
-of sinks + selected instead).
+slot * H_kv + h holds token slot's key of KV head h. The fast list of request b and KV head
+h (the sinks [0, n_sinks), the selected positions, the window [win_start, seq_len)) is read
+in place through req_to_token: nothing is packed, per request slot nothing is kept but the
+positions (SparseMemory.sel_pos).
 
-`plan` runs once per decode step: the lists' lengths are the same in every layer (one
-selection count per request), and FlashInfer schedules on the host from them (one host
-sync per step, as in SGLang's flashinfer backend). `run`, per layer, writes that layer's
-page indices (one Triton launch, `build_pages`) into the planned index buffer, then
-attends (one FlashInfer launch). Not CUDA-graph capturable as written (plan syncs).
+Why the lists are cut into rows of at most ROW entries. FlashInfer plans on the host from
+the lists' lengths, and the lengths depend on the window start, which slow steps decided on
+the device (a replayed graph cannot plan). So each (b, h) list, of L <= `cap` entries
+(S + K + W + max_interval, the longest a fast step reads), is cut into C = ceil(cap / ROW)
+rows of balanced lengths, and every wrapper is planned once, for its batch size, as if each
+row held ceil(cap / C) <= ROW entries. At page size 1 FlashInfer's decode never splits a
+row shorter than 128 pages (its scheduler's least chunk), so each row is one work tile
+whose length the kernel reads from the device indptr at run time (a shorter row, or an
+empty one, is read as such: an empty tile writes LSE -inf and output 0). A longer planned
+row could be split into tiles that start past its real end, where FlashInfer's chunk
+length underflows. The rows' partial outputs are merged by LSE here (`merge_rows`).
+
+Per decode step: `lengths` (torch, device) once; per layer: `_lists_kernel` (one Triton
+launch: the page lists, the rows' indptr and the query copied to each of its rows),
+FlashInfer's decode, `merge_rows` (one Triton launch). No host work, no sync.
 """
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import use_triton
+from ._common import next_pow2, use_triton
 
+ROW = 128  # entries per FlashInfer row at most (FlashInfer's least split at page size 1)
 BLOCK_PAGES = 256
-WORKSPACE_BYTES = 128 * 2**20
+FLOAT_WORKSPACE_BYTES = 32 * 2**20  # split-KV scratch, shared by every batch size's wrapper
+INT_WORKSPACE_BYTES = 2**20  # one plan's tile tables (a few int32 per work tile)
+LN2 = 0.6931471805599453
 
 
-@triton.jit
-def _pages_kernel(Req_to_token, Req_pool_indices, Seq_lens, Win_start, N_sinks, Sel_pos,
-                  Sel_count, Indptr, Pages, stride_rt, stride_sp_slot, stride_sp_h,
-                  H: tl.constexpr, BLOCK: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-    pool = tl.load(Req_pool_indices + b).to(tl.int64)
-    ns = tl.load(N_sinks + pool).to(tl.int32)
-    plen = ns + tl.load(Sel_count + pool).to(tl.int32)
-    ws = tl.load(Win_start + b).to(tl.int32)
-    total = plen + tl.maximum(tl.load(Seq_lens + b).to(tl.int32) - ws, 0)
-    valid = offs < total
-    is_sel = (offs >= ns) & (offs < plen)
-    sel = tl.load(Sel_pos + pool * stride_sp_slot + h * stride_sp_h + (offs - ns), mask=valid & is_sel, other=0)
-    pos = tl.where(offs < ns, offs, tl.where(is_sel, sel, ws + offs - plen))
-    slot = tl.load(Req_to_token + pool * stride_rt + pos, mask=valid, other=0).to(tl.int64)
-    base = tl.load(Indptr + b * H + h)
-    tl.store(Pages + base + offs, (slot * H + h).to(tl.int32), mask=valid)
+def rows_per_list(cap: int) -> int:
+    """C: FlashInfer rows each (request, KV head) list is cut into."""
+    return max(1, math.ceil(cap / ROW))
 
 
 def page_counts(req_pool_indices, seq_lens, win_start, n_sinks, sel_count):
-    """Pages of each batch row (the same for every KV head and layer) [B] int64."""
+    """Entries of each batch row's lists (the same for every KV head and layer) [B] int64."""
     rpi = req_pool_indices.long()
     return (n_sinks[rpi].long() + sel_count[rpi].long()
             + (seq_lens.long() - win_start.long()).clamp_min(0))
 
 
-def build_pages(req_to_token, req_pool_indices, seq_lens, win_start, n_sinks, sel_pos, sel_count,
-                indptr, pages, max_pages: int):
-    """Write each folded row's page list into `pages` at indptr[b * H + h]: sinks, then
-    sel_pos[pool, h, :sel_count], then the window, as slot * H + h. sel_pos [slots, H, K]
-    (one layer); win_start, seq_lens per batch row; n_sinks, sel_count per pool slot."""
-    B = req_pool_indices.shape[0]
+def lengths(counts: torch.Tensor, cap: int, num_kv_heads: int):
+    """(L [B] int32 = counts capped at cap, start [B] int32: where batch row b's lists begin
+    in the page buffer, H_kv lists of L[b] entries each, in batch order). Device ops."""
+    L = counts.clamp(max=cap)
+    start = (torch.cumsum(L, 0) - L) * num_kv_heads
+    return L.to(torch.int32), start.to(torch.int32)
+
+
+@triton.jit
+def _lists_kernel(Q, Qrows, Req_to_token, Req_pool_indices, Len, Start, Seq_lens, Win_start, N_sinks,
+                  Sel_pos, Sel_count, Indptr, Pages, B, stride_qb, stride_qh, stride_rt, stride_sp_slot,
+                  stride_sp_h, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                  C: tl.constexpr, CP: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    blk = tl.program_id(2)
+    pool = tl.load(Req_pool_indices + b).to(tl.int64)
+    L = tl.load(Len + b)
+    base = tl.load(Start + b) + h * L
+    ns = tl.load(N_sinks + pool).to(tl.int32)
+    plen = ns + tl.load(Sel_count + pool).to(tl.int32)
+    ws = tl.load(Win_start + b).to(tl.int32)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < L
+    is_sel = (offs >= ns) & (offs < plen)
+    sel = tl.load(Sel_pos + pool * stride_sp_slot + h * stride_sp_h + (offs - ns), mask=valid & is_sel, other=0)
+    pos = tl.where(offs < ns, offs, tl.where(is_sel, sel, ws + offs - plen))
+    slot = tl.load(Req_to_token + pool * stride_rt + pos, mask=valid, other=0).to(tl.int64)
+    tl.store(Pages + base + offs, (slot * H + h).to(tl.int32), mask=valid)
+    if blk == 0:
+        # the C rows of this list: row c holds entries [c * L // C, (c + 1) * L // C)
+        c = tl.arange(0, CP)
+        row = (b * H + h) * C + c
+        tl.store(Indptr + row, base + (c * L) // C, mask=c < C)
+        tl.store(Indptr + B * H * C + c * 0, base + L, mask=(c == 0) & (b == B - 1) & (h == H - 1))
+        # the query of this KV head's G heads, once per row
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        gmask = (g < G)[:, None] & (d < D)[None, :]
+        qv = tl.load(Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=gmask, other=0.0)
+        for r in tl.static_range(C):
+            dst = Qrows + (((b * H + h) * C + r) * G + g)[:, None].to(tl.int64) * D + d[None, :]
+            tl.store(dst, qv, mask=gmask)
+
+
+def build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start, n_sinks, sel_pos,
+                sel_count, indptr, pages, qrows, C: int, max_len: int):
+    """One layer's FlashInfer inputs: pages[start[b] + h * L[b] + i] = the KV page of entry i
+    of (b, h)'s list (sinks, sel_pos[pool, h, :sel_count], window, as slot * H + h; L[b]
+    entries), indptr of the B * H * C rows (row (b * H + h) * C + c), and qrows
+    [B * H * C, G, D] = q [B, H * G, D] of the row's KV head. max_len >= max(L) (a host bound)."""
+    B, Hq, D = q.shape
     H = sel_pos.shape[1]
-    if B == 0 or max_pages == 0:
-        return pages
-    if not use_triton(req_to_token):
-        from .reference import ref_build_pages
-        return ref_build_pages(req_to_token, req_pool_indices, seq_lens, win_start, n_sinks,
-                               sel_pos, sel_count, indptr, pages)
-    grid = (B, H, triton.cdiv(max_pages, BLOCK_PAGES))
-    _pages_kernel[grid](req_to_token, req_pool_indices, seq_lens, win_start, n_sinks, sel_pos,
-                        sel_count, indptr, pages, req_to_token.stride(0), sel_pos.stride(0),
-                        sel_pos.stride(1), H=H, BLOCK=BLOCK_PAGES)
-    return pages
+    if B == 0:
+        return
+    if not use_triton(q):
+        from .reference import ref_build_lists
+        ref_build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start, n_sinks,
+                        sel_pos, sel_count, indptr, pages, qrows, C)
+        return
+    G = Hq // H
+    grid = (B, H, max(1, triton.cdiv(max_len, BLOCK_PAGES)))
+    _lists_kernel[grid](q, qrows, req_to_token, req_pool_indices, L, start, seq_lens, win_start, n_sinks,
+                        sel_pos, sel_count, indptr, pages, B, q.stride(0), q.stride(1),
+                        req_to_token.stride(0), sel_pos.stride(0), sel_pos.stride(1), H=H, G=G,
+                        GP=next_pow2(G), D=D, C=C, CP=next_pow2(C), BLOCK=BLOCK_PAGES)
+
+
+@triton.jit
+def _merge_kernel(O, Lse, Out, Lse_out, stride_ob, stride_oh, H: tl.constexpr, G: tl.constexpr,
+                  D: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, HAS_LSE: tl.constexpr):
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    h = hq // G
+    g = hq % G
+    c = tl.arange(0, CP)
+    d = tl.arange(0, D)
+    row = ((b * H + h) * C + c).to(tl.int64)
+    lse = tl.load(Lse + row * G + g, mask=c < C, other=float("-inf"))  # log2 (FlashInfer's)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))
+    o = tl.load(O + (row * G + g)[:, None] * D + d[None, :], mask=(c < C)[:, None], other=0.0).to(tl.float32)
+    o = tl.where(w[:, None] > 0, o, 0.0)
+    den = tl.sum(w, 0)
+    acc = tl.sum(w[:, None] * o, 0)
+    res = tl.where(den > 0, acc / tl.where(den > 0, den, 1.0), 0.0)
+    tl.store(Out + b * stride_ob + hq * stride_oh + d, res.to(Out.dtype.element_ty))
+    if HAS_LSE:
+        lse_nat = tl.where(den > 0, (m + tl.log2(tl.where(den > 0, den, 1.0))) * 0.6931471805599453,
+                           float("-inf"))
+        tl.store(Lse_out + b * (H * G) + hq, lse_nat)
+
+
+def merge_rows(o_rows, lse_rows, out, C: int, lse_out=None):
+    """out [B, H_q, D] = each (b, head)'s C row outputs o_rows [B * H * C, G, D] merged by
+    their log2-sum-exps lse_rows [B * H * C, G] (empty rows: LSE -inf, weight 0; a list with
+    no entry gives 0). lse_out [B, H_q] float32, optional: the natural log-sum-exp over the
+    whole list."""
+    B, Hq, D = out.shape
+    if B == 0:
+        return out
+    G = o_rows.shape[1]
+    if not use_triton(out):
+        from .reference import ref_merge_rows
+        return ref_merge_rows(o_rows, lse_rows, out, C, lse_out)
+    _merge_kernel[(B, Hq)](o_rows, lse_rows, out, lse_out if lse_out is not None else lse_rows,
+                           out.stride(0), out.stride(1), H=Hq // G, G=G, D=D, C=C, CP=next_pow2(C),
+                           HAS_LSE=lse_out is not None)
+    return out
 
 
 class FlashInferFastDecode:
-    """One decode wrapper (and its workspace) per device; plan once per step, run per layer."""
+    """The FlashInfer fast path of one server: buffers for up to `max_rows` batch rows and
+    one planned fa2 decode wrapper per batch size (planned once, on the host, before the
+    batch size's first step or graph capture: `plan`); `run` per layer is device work only."""
 
-    def __init__(self, num_kv_heads: int, group: int, head_dim: int, device, dtype,
-                 use_tensor_cores: bool = False):
+    def __init__(self, num_kv_heads: int, group: int, head_dim: int, cap: int, max_rows: int,
+                 device, dtype):
+        self.H, self.G, self.D, self.dtype = num_kv_heads, group, head_dim, dtype
+        self.cap, self.C = int(cap), rows_per_list(cap)
+        self.row_len = math.ceil(self.cap / self.C)
+        self.device = torch.device(device)
+        rows = max_rows * self.H * self.C
+        dev = self.device
+        self.indptr = torch.zeros(rows + 1, dtype=torch.int32, device=dev)
+        self.last_page_len = torch.ones(rows, dtype=torch.int32, device=dev)
+        # room for every row at its planned length (>= the lists' cap entries per (b, h))
+        self.pages = torch.zeros(max(1, rows * self.row_len), dtype=torch.int32, device=dev)
+        self.qrows = torch.zeros(rows, self.G, head_dim, dtype=dtype, device=dev)
+        self.o_rows = torch.zeros(rows, self.G, head_dim, dtype=dtype, device=dev)
+        self.lse_rows = torch.zeros(rows, self.G, dtype=torch.float32, device=dev)
+        self.float_ws = None
+        self.wrappers: dict[int, object] = {}
+
+    def buffers(self) -> list:
+        """The tensors sized by the batch rows (SparseMemory.bytes counts them per slot)."""
+        return [self.indptr, self.last_page_len, self.pages, self.qrows, self.o_rows, self.lse_rows]
+
+    def plan(self, B: int, sm_scale: float) -> None:
+        """Host: make and plan the wrapper of batch size B, once (not while a graph is captured)."""
+        if B in self.wrappers or B == 0:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"SFI: the FlashInfer fast path was not planned for batch size {B} "
+                               "before its CUDA graph capture")
         import flashinfer
 
-        self.H, self.G, self.D, self.dtype = num_kv_heads, group, head_dim, dtype
-        self.device = torch.device(device)
-        ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            ws, "NHD", use_tensor_cores=use_tensor_cores)
-        self.indptr = None  # [B * H + 1] int32 on the device, for build_pages
-        self.pages = None
-        self.max_pages = 0
+        if self.float_ws is None:
+            self.float_ws = torch.zeros(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        n = B * self.H * self.C
+        if n > self.last_page_len.numel():
+            raise RuntimeError(f"SFI: a decode step of {B} rows, beyond the {self.last_page_len.numel() // (self.H * self.C)} "
+                               "the FlashInfer fast path's buffers were made for")
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.float_ws, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=self.indptr[:n + 1],
+            paged_kv_indices_buffer=self.pages, paged_kv_last_page_len_buffer=self.last_page_len[:n],
+            backend="fa2")
+        w.reset_workspace_buffer(self.float_ws, torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8,
+                                                            device=self.device))
+        indptr = torch.arange(n + 1, dtype=torch.int32) * self.row_len
+        w.plan(indptr, torch.zeros(n * self.row_len, dtype=torch.int32), torch.ones(n, dtype=torch.int32),
+               self.G, 1, self.D, 1, q_data_type=self.dtype, kv_data_type=self.dtype,
+               sm_scale=float(sm_scale))
+        self.wrappers[B] = w
 
-    def plan(self, counts: torch.Tensor, sm_scale: float) -> None:
-        """counts [B]: pages per batch row (page_counts). One host sync (the counts): the
-        row offsets are made on the host, where FlashInfer's scheduler reads them."""
-        per_row = counts.cpu().to(torch.int32).repeat_interleave(self.H)
-        indptr = torch.zeros(per_row.numel() + 1, dtype=torch.int32)
-        torch.cumsum(per_row, 0, out=indptr[1:])
-        total = int(indptr[-1])
-        self.max_pages = int(per_row.max()) if per_row.numel() else 0
-        self.indptr = indptr.to(self.device)
-        self.pages = torch.zeros(max(total, 1), dtype=torch.int32, device=self.device)
-        last = torch.ones(per_row.numel(), dtype=torch.int32)
-        self.wrapper.plan(indptr, self.pages[:total], last, self.G, 1, self.D, 1,
-                          q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=float(sm_scale))
-
-    def run(self, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, win_start,
-            n_sinks, sel_pos, sel_count, out=None):
-        """q [B, H_q, D] -> [B, H_q, D], rows as in the last plan; sel_pos [slots, H, K]."""
+    def run(self, q, k_cache, v_cache, req_to_token, req_pool_indices, L, start, seq_lens, win_start,
+            n_sinks, sel_pos, sel_count, out=None, lse_out=None):
+        """q [B, H_q, D] -> [B, H_q, D] over each row's lists (L, start from `lengths`);
+        sel_pos [slots, H, K] of this layer. The wrapper of batch size B must be planned."""
         B, Hq, D = q.shape
-        build_pages(req_to_token, req_pool_indices, seq_lens, win_start, n_sinks, sel_pos,
-                    sel_count, self.indptr, self.pages, self.max_pages)
+        n = B * self.H * self.C
+        build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start, n_sinks, sel_pos,
+                    sel_count, self.indptr, self.pages, self.qrows, self.C, self.cap)
         kv = (k_cache.view(-1, 1, 1, D), v_cache.view(-1, 1, 1, D))
-        o = None if out is None else out.view(B * self.H, self.G, D)
-        res = self.wrapper.run(q.reshape(B * self.H, self.G, D), kv, out=o)
-        return res.view(B, Hq, D) if out is None else out
+        self.wrappers[B].run(self.qrows[:n], kv, out=self.o_rows[:n], lse=self.lse_rows[:n], return_lse=True)
+        if out is None:
+            out = q.new_empty(q.shape)
+        return merge_rows(self.o_rows[:n], self.lse_rows[:n], out, self.C, lse_out)

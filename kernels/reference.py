@@ -6,6 +6,8 @@ float32 is fine for a CPU backend). If `out` (or `scores_out`) is given the resu
 copied into it (cast to its dtype) and returned; otherwise results are in compute_dtype.
 """
 
+import math
+
 import torch
 
 
@@ -138,16 +140,63 @@ def ref_store_key_norms(k, cache_loc, norms_pool, **_ignored):
     return norms_pool
 
 
-def ref_build_pages(req_to_token, req_pool_indices, seq_lens, win_start, n_sinks, sel_pos,
-                    sel_count, indptr, pages):
-    """Reference of flashinfer_fast.build_pages (page lists of rows folded by KV head)."""
+def ref_build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start, n_sinks, sel_pos,
+                    sel_count, indptr, pages, qrows, C):
+    """Reference of flashinfer_fast.build_lists (KV heads folded into the batch, each list
+    cut into C rows)."""
+    B, Hq, D = q.shape
     H = sel_pos.shape[1]
+    G = Hq // H
     for b, pool in enumerate(req_pool_indices.tolist()):
         ns, c = int(n_sinks[pool]), int(sel_count[pool])
-        ws, n = int(win_start[b]), int(seq_lens[b])
+        ws, n, length = int(win_start[b]), int(seq_lens[b]), int(L[b])
         for h in range(H):
             pos = torch.cat([torch.arange(ns, device=pages.device), sel_pos[pool, h, :c].long(),
-                             torch.arange(ws, max(n, ws), device=pages.device)])
-            base = int(indptr[b * H + h])
-            pages[base: base + pos.numel()] = (req_to_token[pool, pos].long() * H + h).to(pages.dtype)
+                             torch.arange(ws, max(n, ws), device=pages.device)])[:length]
+            base = int(start[b]) + h * length
+            pages[base: base + length] = (req_to_token[pool, pos].long() * H + h).to(pages.dtype)
+            for r in range(C):
+                row = (b * H + h) * C + r
+                indptr[row] = base + r * length // C
+                qrows[row] = q[b, h * G:(h + 1) * G]
+            if b == B - 1 and h == H - 1:
+                indptr[B * H * C] = base + length
     return pages
+
+
+def ref_merge_rows(o_rows, lse_rows, out, C, lse_out=None):
+    """Reference of flashinfer_fast.merge_rows (float64): rows' outputs merged by their
+    log2-sum-exps; -inf rows weigh nothing, a list with no entry gives 0."""
+    B, Hq, D = out.shape
+    G = o_rows.shape[1]
+    lse = lse_rows.double().view(B, Hq // G, C, G)
+    o = o_rows.double().view(B, Hq // G, C, G, D)
+    m = lse.amax(2, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w = torch.where(torch.isinf(lse), torch.zeros_like(lse), torch.exp2(lse - m))
+    den = w.sum(2)                                                           # [B, H, G]
+    acc = (w[..., None] * torch.where(w[..., None] > 0, o, torch.zeros_like(o))).sum(2)
+    res = torch.where(den[..., None] > 0, acc / den.clamp_min(1e-300)[..., None], torch.zeros_like(acc))
+    out.copy_(res.reshape(B, Hq, D).to(out.dtype))
+    if lse_out is not None:
+        nat = torch.where(den > 0, (m[:, :, 0] + torch.log2(den.clamp_min(1e-300))) * math.log(2),
+                          torch.full_like(den, float("-inf")))
+        lse_out.copy_(nat.reshape(B, Hq).to(lse_out.dtype))
+    return out
+
+
+def ref_paged_decode(qrows, k_pages, v_pages, indptr, pages, sm_scale):
+    """What FlashInfer's decode computes over page lists of page size 1 (float64): per row
+    r, its G query heads over the pages [indptr[r], indptr[r + 1]) of k_pages / v_pages
+    [pages, D]; (o [R, G, D], log2-sum-exp [R, G]; an empty row: 0 and -inf)."""
+    R, G, D = qrows.shape
+    o = torch.zeros(R, G, D, dtype=torch.float64)
+    lse = torch.full((R, G), float("-inf"), dtype=torch.float64)
+    for r in range(R):
+        p = pages[int(indptr[r]): int(indptr[r + 1])].long()
+        if p.numel() == 0:
+            continue
+        s = qrows[r].double() @ k_pages[p].double().T * sm_scale               # [G, n]
+        lse[r] = torch.logsumexp(s, -1) / math.log(2)
+        o[r] = torch.softmax(s, -1) @ v_pages[p].double()
+    return o, lse

@@ -119,9 +119,6 @@ def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict
         if cfg.dense_backend != "auto" and not has_gpu():
             raise ValueError(f"--sfi-dense-backend {cfg.dense_backend} needs a CUDA GPU; the CPU engine "
                              "runs torch_native (leave it at auto)")
-        if cfg.fast_path == "flashinfer" and has_gpu() and not out.get("disable_cuda_graph"):
-            raise ValueError("--sfi-fast-path flashinfer plans each step on the host: it needs "
-                             "--disable-cuda-graph (or keep the default --sfi-fast-path triton)")
         # Each request slot holds SFI's sparse memory (on CUDA ~0.3 GB for Qwen3-4B at the
         # default budget, SparseMemory.slot_bytes); SGLang's default is 2048+ slots.
         out.setdefault("max_running_requests", SFI_MAX_RUNNING_REQUESTS)

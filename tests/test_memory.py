@@ -518,47 +518,73 @@ def test_kernel_fused_selector_gathers_pool_norms():
 
 @kernel_test
 @pytest.mark.parametrize("G", [1, 4])
-def test_flashinfer_page_lists_are_the_fast_step(G):
-    """The FlashInfer fast path's page lists (kernels.flashinfer_fast.build_pages, KV heads
-    folded into the batch, page = KV slot * H_kv + head): each folded row lists exactly the
-    fast step's positions (sinks, selected, window; also a row whose context is shorter
-    than the sinks), the reference builder agrees, nothing is packed, and attention over
-    the listed pages equals the reference fast step."""
+def test_flashinfer_lists_and_merge_are_the_fast_step(G):
+    """The FlashInfer fast path around FlashInfer's decode (kernels.flashinfer_fast): each
+    (request, KV head) list (page = KV slot * H_kv + head) holds exactly the fast step's
+    positions, cut into C rows that together cover it; FlashInfer's decode over those rows
+    (its float64 stand-in, ref_paged_decode) merged by merge_rows equals the reference fast
+    step, log-sum-exp included. Rows: lists longer than ROW (several rows each), one shorter
+    than C (empty rows, LSE -inf), the padding slot's (no entry: output 0), and one whose
+    lists outgrow the planned bound (flagged `over`, capped). The Triton kernels equal their
+    references, and nothing is packed."""
     from sfi_sglang.kernels import flashinfer_fast as fif
+    from sfi_sglang.method.memory import NO_WINDOW
 
     Hkv, D = 3, 16
-    cfg = CFG.replace(fast_path="flashinfer")
-    n_sel, t = [60, 52, 3, 40], [66, 57, 6, 40]
+    cfg = CFG.replace(fast_path="flashinfer", max_interval=300)  # cap 360: C = 3 rows of 120
+    n_sel, t = [60, 52, 2, 40, 60], [296, 57, 2, 40, 420]
     st, gen = make_pool(t, Hkv, G, D, seed=None)
-    ref_mem = SparseMemory(2, [1], 8, Hkv, D, CFG, DEV, torch.float32, packed=False)
-    mem = SparseMemory(2, [1], 8, Hkv, D, cfg, DEV, torch.float32, packed=True)
+    ref_mem = SparseMemory(2, [1], 8, Hkv, D, cfg.replace(fast_path="triton"), DEV, torch.float32, packed=False)
+    mem = SparseMemory(2, [1], 8, Hkv, D, cfg, DEV, torch.float32, packed=True, group=G)
     assert mem.fast_path == "flashinfer" and not mem.packed_k and mem.packed_len is None
     assert mem.bytes() < SparseMemory(2, [1], 8, Hkv, D, CFG, DEV, torch.float32, packed=True).bytes()
     pos, cnt, ws = selection(cfg, n_sel, Hkv, gen, k=9)
+    rpi, seq_lens = st["rpi"].clone(), st["seq_lens"].clone()
     for m in (ref_mem, mem):
-        m.reset(st["rpi"])
-        m.store(1, st["rpi"], pos, cnt, ws, st["k"], st["v"], st["rtt"],
-                seq_lens=torch.tensor(n_sel, device=DEV))
-    rpi, seq_lens = st["rpi"], st["seq_lens"]
-    fws = mem.fast_ws[rpi]
-    counts = fif.page_counts(rpi, seq_lens, fws, mem.n_sinks, mem.sel_count)
-    indptr = torch.zeros(len(t) * Hkv + 1, dtype=torch.int32, device=DEV)
-    indptr[1:] = torch.cumsum(counts.repeat_interleave(Hkv), 0)
-    pages = torch.full((int(indptr[-1]),), -7, dtype=torch.int32, device=DEV)
-    fif.build_pages(st["rtt"], rpi, seq_lens, fws, mem.n_sinks, mem.sel_pos[0], mem.sel_count,
-                    indptr, pages, int(counts.max()))
-    ref_pages = REF.ref_build_pages(st["rtt"], rpi, seq_lens, fws, mem.n_sinks, mem.sel_pos[0],
-                                    mem.sel_count, indptr, torch.full_like(pages, -7))
-    assert torch.equal(pages, ref_pages)
+        m.reset(rpi)
+        m.store(1, rpi, pos, cnt, ws, st["k"], st["v"], st["rtt"], seq_lens=torch.tensor(n_sel, device=DEV))
+    mem.fast_ws[rpi[3]] = NO_WINDOW  # as the padding slot: nothing selected, no window
+    mem.sel_count[rpi[3]] = 0
+    mem.n_sinks[rpi[3]] = 0
+    fi, cap = mem._fi, mem.fast_cap
+    assert cap == 360 and fi.C == 3 and fif.ROW * fi.C >= cap
+    fl = mem.fast_lists(rpi, seq_lens)
+    want_len = [4 + 9 + 296 - 52, 4 + 9 + 57 - 44, 2, 0, 4 + 9 + 420 - 52]
+    assert fl.over.tolist() == [False, False, False, False, True]
+    assert fl.lengths.tolist() == [min(n, cap) for n in want_len]
     sm = D ** -0.5
-    ref = ref_mem.attend_fast(1, st["q"], st["k"], st["v"], st["rtt"], rpi, seq_lens, sm)
+    B, n = len(t), len(t) * Hkv * fi.C
+    bufs = [(torch.full_like(fi.indptr, -7), torch.full_like(fi.pages, -7), torch.zeros_like(fi.qrows))
+            for _ in range(2)]
+    for build, (indptr, pages, qrows) in zip((fif.build_lists, REF.ref_build_lists), bufs):
+        args = (st["q"], st["rtt"], rpi, fl.lengths, fl.start, seq_lens, fl.win_start, mem.n_sinks,
+                mem.sel_pos[0], mem.sel_count, indptr, pages, qrows, fi.C)
+        build(*args, cap) if build is fif.build_lists else build(*args)
+    (indptr, pages, qrows), (rindptr, rpages, rqrows) = bufs
+    assert torch.equal(indptr[:n + 1], rindptr[:n + 1])
+    assert torch.equal(pages[:int(indptr[n])], rpages[:int(indptr[n])])
+    assert torch.equal(qrows[:n], rqrows[:n])
+    rows_len = (indptr[1:n + 1] - indptr[:n]).view(B, Hkv, fi.C)
+    assert int(rows_len.max()) <= fi.row_len <= fif.ROW and int(rows_len.min()) >= 0
+    assert rows_len[2].min() == 0 and rows_len[3].sum() == 0  # empty rows: a short list, none
     for b, slot in enumerate(rpi.tolist()):
+        if b in (3, 4):
+            continue
         want = fast_positions(ref_mem, 1, slot, t[b])
         for h in range(Hkv):
-            row = pages[indptr[b * Hkv + h]: indptr[b * Hkv + h + 1]].long()
+            lo = int(indptr[(b * Hkv + h) * fi.C])
+            row = pages[lo: lo + int(fl.lengths[b])].long()
             assert torch.equal(row % Hkv, torch.full_like(row, h))
             assert torch.equal(row // Hkv, st["rtt"][slot, want[h]].long())
-            k, v = st["k"].reshape(-1, D)[row].double(), st["v"].reshape(-1, D)[row].double()
-            qh = st["q"][b, h * G:(h + 1) * G].double()
-            o = torch.softmax(qh @ k.T * sm, -1) @ v
-            assert rel_err(o, ref[b, h * G:(h + 1) * G]) < 1e-5
+    o_rows, lse_rows = REF.ref_paged_decode(qrows[:n], st["k"].reshape(-1, D), st["v"].reshape(-1, D),
+                                            indptr, pages, sm)
+    assert torch.isinf(lse_rows[(2 * Hkv) * fi.C:(4 * Hkv) * fi.C]).any()
+    ref_lse = torch.empty(B, Hkv * G)
+    ref = ref_mem.attend_fast(1, st["q"], st["k"], st["v"], st["rtt"], rpi, seq_lens, sm, lse_out=ref_lse)
+    for merge in (fif.merge_rows, REF.ref_merge_rows):
+        out, lse = torch.full_like(st["q"], float("nan")), torch.full((B, Hkv * G), float("nan"))
+        merge(o_rows.float(), lse_rows.float(), out, fi.C, lse_out=lse)
+        keep = [0, 1, 2]
+        assert rel_err(out[keep], ref[keep]) < 1e-5
+        assert torch.allclose(lse[keep], ref_lse[keep], atol=1e-4)
+        assert torch.equal(out[3], torch.zeros_like(out[3])) and torch.isinf(lse[3]).all()

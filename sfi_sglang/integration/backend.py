@@ -91,7 +91,8 @@ class SFIAttnBackend(AttentionBackend):
         self.scaling = _attention_scaling(model_runner, k0.shape[2])
         # every layer has a row of the memory (a request may make any layer sparse or dense)
         self.memory = SparseMemory(self.num_layers, range(self.num_layers), max_slots,
-                                   k0.shape[1], k0.shape[2], cfg, k0.device, k0.dtype)
+                                   k0.shape[1], k0.shape[2], cfg, k0.device, k0.dtype,
+                                   group=max(1, self.num_q_heads // k0.shape[1]))
         self.memory.fast_ws[0] = NO_WINDOW  # slot 0: SGLang's padding rows
         self.norms = KeyNorms(self.num_layers, k0.shape[0], k0.shape[1], k0.device)
         self.policy = _trigger_policy(model_runner, cfg, max_slots, self.device)
@@ -154,6 +155,8 @@ class SFIAttnBackend(AttentionBackend):
         again = in_capture and self.cfg.dense_below > 0 and get_capture_attention_variant() == SFI_VARIANT
         self.dense.init_forward_metadata_out_graph(forward_batch, in_capture and not again)
         self._host_metadata(forward_batch)
+        if in_capture and forward_batch.forward_mode.is_decode():  # replays never plan
+            self.memory.plan_fast(forward_batch.req_pool_indices.shape[0], self.scaling)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
         self.dense.init_forward_metadata_in_graph(forward_batch)
@@ -241,7 +244,7 @@ class SFIAttnBackend(AttentionBackend):
     def _decode_metadata(self, forward_batch) -> None:
         """A decode step's plan (StepPlan.begin), the fast kernel's window starts (gathered
         once: within a step only slow rows store, and their output is the dense pass's), the
-        batched Selector's score buffer and, eagerly, the FlashInfer fast path's plan."""
+        batched Selector's score buffer and the FlashInfer fast path's list lengths."""
         meta = self.meta
         slots = forward_batch.req_pool_indices
         if meta.dense_step:  # the layers run the dense backend alone (forward_decode)
@@ -256,15 +259,20 @@ class SFIAttnBackend(AttentionBackend):
             force_dense[[i for i, _, _ in meta.host_rows]] = True
             force_dense = force_dense.to(slots.device)
         rows = meta.rows = self.step.begin(forward_batch.input_ids, slots, force_dense)
+        if self.memory.fast_path == "flashinfer":
+            self.memory.plan_fast(slots.shape[0], self.scaling)  # host, eager steps: once per size
+            meta.fast_plan = lists = self.memory.fast_lists(slots, forward_batch.seq_lens)
+            # a row whose lists outgrow the planned bound (its request's own max_interval or
+            # window beyond the server's) runs this step's sparse layers dense
+            over = lists.over & rows.on
+            rows.need_l = rows.need_l | over[None, :]
+            rows.need = rows.need | over.any()
         if meta.extra_rows is not None:
             self.policy.mark_pending(slots, meta.extra_rows, rows.slow)
         self.memory.count_steps(slots, rows.on & ~rows.slow, rows.slow)
         meta.win_start = self.memory.step_window_start(slots)
         batched = self.selection.side_stream is None
         meta.layer_scores = self.scores.step(slots.shape[0]) if batched else None
-        if self.memory.fast_path == "flashinfer":  # its host plan syncs: eager servers only (engine.py)
-            meta.fast_plan = self.memory.plan_fast("step", slots, forward_batch.seq_lens,
-                                                   self.num_q_heads // self.memory.num_kv_heads, self.scaling)
 
     # ------------------------------------------------------------------ forward
     def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,

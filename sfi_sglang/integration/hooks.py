@@ -174,8 +174,9 @@ def _reserve_sfi_memory(original, self, *args, **kwargs):
         scores = ScoreBuffers.reserve_bytes(slots + 1, len(cfg.sparse_layers(num_layers)),
                                             max(1, mc.num_attention_heads // sa.tp_size),
                                             width, batched=cfg.method == "sfi")
-    budget = kv_budget(available, num_layers, mc.get_num_kv_heads(sa.tp_size), mc.head_dim, cfg,
-                       self.kv_cache_dtype, packed, slots, scores)
+    kv_heads = mc.get_num_kv_heads(sa.tp_size)
+    budget = kv_budget(available, num_layers, kv_heads, mc.head_dim, cfg, self.kv_cache_dtype, packed,
+                       slots, scores, group=max(1, mc.num_attention_heads // sa.tp_size // kv_heads))
     MEMORY.update(available=int(available), kv_budget=budget, reserved=int(available) - budget,
                   scores=scores, slots=slots + 1,
                   # SFI's KV pool against the one dense SGLang would size from the same bytes

@@ -217,9 +217,6 @@ class SFIConfig:
         if self.selection_page > 1 and self.fast_path not in KERNEL_FAST_PATHS:
             raise SFIConfigError(f"{cli_name('selection_page')} > 1 needs {cli_name('fast_path')} triton or "
                                  "triton-pool (the flashinfer path reads every listed entry)")
-        if self.refresh == "adaptive" and self.fast_path not in KERNEL_FAST_PATHS:
-            raise SFIConfigError(f"{cli_name('refresh')} adaptive needs {cli_name('fast_path')} triton or "
-                                 "triton-pool (the trigger reads the Triton fast kernel's log-sum-exp)")
         for name in ("use_prior", "use_nms", "use_exclusivity"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "true or false")

@@ -22,7 +22,8 @@ positions, and kernels.fast_decode reads the sinks and each head's selected posi
 place through req_to_token, as it reads the window (per slot only the lists, not K/V).
 With cfg.fast_path == "flashinfer" (CUDA), fast steps run through FlashInfer's paged decode
 instead (kernels.flashinfer_fast: page size 1, KV heads folded into the batch, every token
-read in place, so nothing is packed): `plan_fast` once per step, `attend_fast` per layer.
+read in place, so nothing is packed): `plan_fast` once per batch size (host), `fast_lists`
+once per step and `attend_fast` per layer (device, CUDA-graph capturable).
 
 Slow steps: `attend_slow` = dense attention + raw logits (the Selector's evidence) through
 kernels.dense_decode_with_scores (packed) or kernels.reference (CPU).
@@ -30,6 +31,7 @@ kernels.dense_decode_with_scores (packed) or kernels.reference (CPU).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
@@ -66,7 +68,7 @@ class SparseMemory:
 
     def __init__(self, num_layers: int, sparse_layer_ids: Iterable[int], max_slots: int,
                  num_kv_heads: int, head_dim: int, cfg, device, dtype=torch.bfloat16,
-                 packed: Optional[bool] = None):
+                 packed: Optional[bool] = None, group: int = 1):
         self.device = torch.device(device)
         self.num_layers = int(num_layers)
         self.sparse_layer_ids = sorted(int(i) for i in sparse_layer_ids)
@@ -83,7 +85,6 @@ class SparseMemory:
         # buffers exist only for the Triton fast path
         self.packed = (self.device.type == "cuda") if packed is None else bool(packed)
         self.fast_path = cfg.fast_path if self.packed else "reference"
-        self._fi_plans: dict = {}  # flashinfer fast path: one planned wrapper per row pattern
         L, M, H, K = len(self.sparse_layer_ids), self.max_slots, self.num_kv_heads, self.budget
         dev = self.device
         self.sel_pos = torch.full((L, M, H, K), -1, dtype=torch.int32, device=dev)
@@ -102,9 +103,22 @@ class SparseMemory:
             self.packed_v = [torch.zeros(M, H, P, self.head_dim, dtype=dtype, device=dev) for _ in range(L)]
         if self.kernel_fast_path:
             self.packed_len = torch.zeros(M, dtype=torch.int32, device=dev)
+        # the FlashInfer path's lists, rows and planned wrappers, for up to M batch rows
+        self._fi = None
+        if self.fast_path == "flashinfer":
+            from sfi_sglang.kernels.flashinfer_fast import FlashInferFastDecode
+
+            self._fi = FlashInferFastDecode(H, int(group), self.head_dim, self.fast_cap, M, dev, dtype)
         self._k = _kernels() if self.packed else None
         self._ar_k = torch.arange(K, device=dev)
         self._ar_s = torch.arange(self.sinks, device=dev)
+
+    @property
+    def fast_cap(self) -> int:
+        """The most positions a fast step reads per layer and KV head with the server's
+        options: S + K + W, and the window's growth until the refresh budget forces a slow
+        step (a request's own larger max_interval or window can exceed it: fast_lists)."""
+        return self.cfg.memory_tokens() + self.cfg.max_interval
 
     @property
     def kernel_fast_path(self) -> bool:
@@ -113,21 +127,24 @@ class SparseMemory:
 
     # ------------------------------------------------------------------ bookkeeping
     @staticmethod
-    def slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, cfg, dtype, packed: bool) -> int:
+    def slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, cfg, dtype, packed: bool,
+                   group: int = 1) -> int:
         """Bytes a SparseMemory of `num_layers` layers holds per request slot (every tensor
         bytes() counts is [slots, ...]; `packed` as in __init__): what SGLang's memory budget
         must leave for it (kv_budget). Measured on a one-slot memory on the
         meta device, so it cannot drift from the allocation."""
         return SparseMemory(num_layers, range(num_layers), 1, num_kv_heads, head_dim, cfg, "meta",
-                            dtype, packed=packed).bytes()
+                            dtype, packed=packed, group=group).bytes()
 
     def bytes(self) -> int:
-        """Device bytes held by this memory."""
+        """Device bytes held by this memory (the FlashInfer path's per-row buffers included)."""
         ts = [self.sel_pos, self.sel_count, self.win_start, self.n_sinks, self.fast_ws, self.counts,
               *self.packed_k,
               *self.packed_v]
         if self.packed_len is not None:
             ts.append(self.packed_len)
+        if self._fi is not None:
+            ts += self._fi.buffers()
         return sum(t.numel() * t.element_size() for t in ts)
 
     def _slots(self, slots) -> torch.Tensor:
@@ -243,22 +260,25 @@ class SparseMemory:
             return None
         return self.fast_ws[req_pool_indices.to(self.device).long()]
 
-    def plan_fast(self, key, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, group: int,
-                  sm_scale: float):
-        """Once per decode step and set of fast rows (`key` tells sets apart within a step):
-        the FlashInfer path's plan (host sync), to pass to attend_fast; None on other paths."""
-        if self.fast_path != "flashinfer":
+    def plan_fast(self, batch_size: int, sm_scale: float) -> None:
+        """Host, once per batch size before its first decode step or graph capture: the
+        FlashInfer path's wrapper for that batch size (nothing on the other paths)."""
+        if self._fi is not None:
+            self._fi.plan(int(batch_size), sm_scale)
+
+    def fast_lists(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor):
+        """Device, once per decode step: the FlashInfer path's per-row list lengths, for
+        attend_fast's `fast_plan` (None on the other paths), and `over` [B] bool: rows whose
+        lists outgrow fast_cap (the caller runs them dense this step)."""
+        if self._fi is None:
             return None
         from sfi_sglang.kernels import flashinfer_fast as fif
 
-        fi = self._fi_plans.get(key)
-        if fi is None:
-            fi = self._fi_plans[key] = fif.FlashInferFastDecode(
-                self.num_kv_heads, group, self.head_dim, self.device, self.dtype)
         rpi = req_pool_indices.to(self.device).long()
-        fi.plan(fif.page_counts(rpi, seq_lens, self.fast_ws[rpi], self.n_sinks, self.sel_count),
-                sm_scale)
-        return fi
+        ws = self.fast_ws[rpi]
+        counts = fif.page_counts(rpi, seq_lens, ws, self.n_sinks, self.sel_count)
+        L, start = fif.lengths(counts, self._fi.cap, self.num_kv_heads)
+        return FastLists(L, start, ws, counts > self._fi.cap)
 
     def attend_fast(self, layer_id: int, q: torch.Tensor, k_cache, v_cache, req_to_token,
                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
@@ -277,8 +297,10 @@ class SparseMemory:
         li = self.layer_index[layer_id]
         rpi = req_pool_indices.to(self.device).long()
         if self.fast_path == "flashinfer":
-            return fast_plan.run(q, k_cache, v_cache, req_to_token, rpi, seq_lens, self.fast_ws[rpi],
-                                 self.n_sinks, self.sel_pos[li], self.sel_count, out=out)
+            fl = fast_plan if fast_plan is not None else self.fast_lists(rpi, seq_lens)
+            return self._fi.run(q, k_cache, v_cache, req_to_token, rpi, fl.lengths, fl.start, seq_lens,
+                                fl.win_start, self.n_sinks, self.sel_pos[li], self.sel_count, out=out,
+                                lse_out=lse_out)
         if self.packed:
             ws = self.fast_ws[rpi] if win_start is None else win_start
             if self.fast_path == "triton-pool":
@@ -468,14 +490,24 @@ class SparseMemory:
         return out, scores_out
 
 
+@dataclass
+class FastLists:
+    """A decode step's FlashInfer list lengths (SparseMemory.fast_lists), [B] each."""
+
+    lengths: torch.Tensor  # int32, capped at fast_cap
+    start: torch.Tensor  # int32, where the row's lists begin in the page buffer
+    win_start: torch.Tensor  # int64, the window starts
+    over: torch.Tensor  # bool, lists longer than fast_cap
+
+
 def kv_budget(available: int, num_layers: int, num_kv_heads: int, head_dim: int, cfg, dtype,
-              packed: bool, slots: int, scores: int = 0) -> int:
+              packed: bool, slots: int, scores: int = 0, group: int = 1) -> int:
     """SGLang's KV-pool byte budget once the `sfi` backend's own tensors are set aside: the
     sparse memory (per request slot, `slots` + 1 rows like SGLang's req_to_token), the slow
     pass's score buffers (`scores` bytes: step.ScoreBuffers.reserve_bytes) and the key norms
     (per KV-pool token, next to the pool's K and V). Raises SFIConfigError when nothing would
     be left. Called where SGLang sizes its pools (hooks._reserve_sfi_memory)."""
-    mem = (slots + 1) * SparseMemory.slot_bytes(num_layers, num_kv_heads, head_dim, cfg, dtype, packed)
+    mem = (slots + 1) * SparseMemory.slot_bytes(num_layers, num_kv_heads, head_dim, cfg, dtype, packed, group)
     kv_cell = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
     norm_cell = num_layers * num_kv_heads * 4  # the key norms: L x float32 [tokens, H_kv]
     left = (available - mem - scores) * kv_cell // (kv_cell + norm_cell)

@@ -161,7 +161,7 @@ class StepMetadata:
     ref_len: Optional[int] = None  # the torch reference's length (its longest context)
     win_start: Optional[torch.Tensor] = None  # [B] the fast kernel's window starts
     layer_scores: Optional[torch.Tensor] = None  # [L_sparse, B, H_q, N]: batched Selector
-    fast_plan: Any = None  # the FlashInfer fast path's plan (eager steps)
+    fast_plan: Any = None  # the FlashInfer fast path's list lengths (memory.FastLists)
     # the torch reference: [L, B] host rows whose own pass replaces the device pass at a layer
     host_only: Optional[torch.Tensor] = None
 
