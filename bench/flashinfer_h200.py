@@ -37,6 +37,7 @@ import torch.nn.functional as F  # noqa: E402
 K, DEV, log, timed, check = KH.K, KH.DEV, KH.log, KH.timed, KH.check
 RESULTS = KH.RESULTS
 MEM = KH.load_memory()
+from sfi_sglang.kernels import flashinfer_fast as FF  # noqa: E402
 _, CFG = KH.load_selector()
 
 
@@ -176,12 +177,26 @@ def run_config(N, B, l2):
     res["fi_run"] = timed("flashinfer_run_only", cfg, [
         lambda: fd.wrappers[B].run(fd.qrows[:n], kv, out=fd.o_rows[:n], lse=fd.lse_rows[:n], return_lse=True)],
         fast_bytes)
+    s0, rpi0 = sets[0], sets[0]["req_pool_indices"]
+    fl = fi.fast_lists(rpi0, s0["seq_lens"])
+    res["fi_lists_step"] = timed("flashinfer_fast_lists_per_step", cfg, [
+        lambda: fi.fast_lists(rpi0, s0["seq_lens"])], fast_bytes)
+    res["fi_lists"] = timed("flashinfer_build_lists", cfg, [
+        lambda: FF.build_lists(s0["q"], r2t, rpi0, fl.lengths, fl.start, s0["seq_lens"], fl.win_start, fi.n_sinks,
+                               fi.sel_pos[0], fi.sel_count, fd.indptr, fd.pages, fd.qrows, fd.C, fd.cap)],
+        fast_bytes)
+    res["fi_merge"] = timed("flashinfer_merge_rows", cfg, [
+        lambda: FF.merge_rows(fd.o_rows[:n], fd.lse_rows[:n], s0["out"], fd.C)], fast_bytes)
+    res["fi_layer"] = timed("flashinfer_layer_given_lists", cfg, [
+        lambda: fi.attend_fast(0, s0["q"], kc, vc, r2t, rpi0, s0["seq_lens"], sm, out=s0["out"], fast_plan=fl)],
+        fast_bytes)
     ms = lambda r: r.get("ms") if isinstance(r, dict) else None
     do = lambda r: r.get("do_bench_ms") if isinstance(r, dict) else None
     summ = {"N": N, "B": B, "sdpa_ms": ms(res["sdpa"]), "triton_ms": ms(res["fast_triton"]),
             "triton_pool_ms": ms(res["fast_triton_pool"]), "flashinfer_ms": ms(res["fi"]),
             "flashinfer_do_bench_ms": do(res["fi"]), "flashinfer_run_ms": ms(res["fi_run"]),
-            "rows_per_list": fd.C, "fast_bytes": fast_bytes}
+            "rows_per_list": fd.C, "fast_bytes": fast_bytes,
+            **{f"{k}_ms": ms(res[k]) for k in ("fi_lists_step", "fi_lists", "fi_merge", "fi_layer")}}
     RESULTS.setdefault("summary", []).append(summ)
     del tri, pool, fi, st, kc, vc
     torch.cuda.empty_cache()

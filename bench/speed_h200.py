@@ -377,6 +377,9 @@ def main(argv=None) -> int:
     p.add_argument("--splits", default="8,16,32,64,128,256")
     p.add_argument("--sweep-reps", type=int, default=25)
     p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--profile-engines", default="", help="comma-separated engines whose batch-1 decode "
+                   "steps are also traced (SGLang's profiler: OUT/profile_ENGINE_CONTEXTx1.json, top kernels)")
+    p.add_argument("--profile-steps", type=int, default=8)
     p.add_argument("--slow-every", type=int, default=24)
     p.add_argument("--mem-fraction", type=float, default=0.8)
     p.add_argument("--dense-below", type=int, default=16384, help="the sfi-below engine's --sfi-dense-below")
@@ -525,6 +528,10 @@ def main(argv=None) -> int:
                         finish(row)
                     save()
                     print(f"[{name}] {n}x{batch}: {json.dumps(detail)}", flush=True)
+                    if batch == 1 and name in args.profile_engines.split(","):
+                        prof = S.profile_decode(args, engine, run, name, n, 1, prompts[:1])
+                        info.setdefault("profile", {})[str(n)] = {k: prof[k] for k in ("total_us", "wall_s")}
+                        print(f"[{name}] {n}x1 profile: " + json.dumps(prof)[:3000], flush=True)
         except Exception as e:
             traceback.print_exc()
             info["error"] = repr(e)[:2000]
