@@ -19,7 +19,7 @@ empty one, is read as such: an empty tile writes LSE -inf and output 0). A longe
 row could be split into tiles that start past its real end, where FlashInfer's chunk
 length underflows. The rows' partial outputs are merged by LSE here (`merge_rows`).
 
-Per decode step: `lengths` (torch, device) once; per layer: `_lists_kernel` (one Triton
+Per decode step: `lengths` (one Triton launch) once; per layer: `_lists_kernel` (one Triton
 launch: the page lists, the rows' indptr and the query copied to each of its rows),
 FlashInfer's decode, `merge_rows` (one Triton launch). No host work, no sync.
 """
@@ -44,19 +44,39 @@ def rows_per_list(cap: int) -> int:
     return max(1, math.ceil(cap / ROW))
 
 
-def page_counts(req_pool_indices, seq_lens, win_start, n_sinks, sel_count):
-    """Entries of each batch row's lists (the same for every KV head and layer) [B] int64."""
-    rpi = req_pool_indices.long()
-    return (n_sinks[rpi].long() + sel_count[rpi].long()
-            + (seq_lens.long() - win_start.long()).clamp_min(0))
+@triton.jit
+def _lengths_kernel(Req_pool_indices, Seq_lens, Fast_ws, Packed_len, Len, Start, Ws, Over, B, cap,
+                    H: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    valid = i < B
+    pool = tl.load(Req_pool_indices + i, mask=valid, other=0).to(tl.int64)
+    ws = tl.load(Fast_ws + pool, mask=valid, other=0)
+    n = tl.load(Seq_lens + i, mask=valid, other=0).to(tl.int64)
+    counts = tl.load(Packed_len + pool, mask=valid, other=0).to(tl.int64) + tl.maximum(n - ws, 0)
+    counts = tl.where(valid, counts, 0)
+    L = tl.minimum(counts, cap)
+    tl.store(Len + i, L.to(tl.int32), mask=valid)
+    tl.store(Start + i, ((tl.cumsum(L, 0) - L) * H).to(tl.int32), mask=valid)
+    tl.store(Ws + i, ws, mask=valid)
+    tl.store(Over + i, counts > cap, mask=valid)
 
 
-def lengths(counts: torch.Tensor, cap: int, num_kv_heads: int):
-    """(L [B] int32 = counts capped at cap, start [B] int32: where batch row b's lists begin
-    in the page buffer, H_kv lists of L[b] entries each, in batch order). Device ops."""
-    L = counts.clamp(max=cap)
-    start = (torch.cumsum(L, 0) - L) * num_kv_heads
-    return L.to(torch.int32), start.to(torch.int32)
+def lengths(req_pool_indices, seq_lens, fast_ws, packed_len, cap: int, num_kv_heads: int):
+    """A decode step's lists, in one launch: (L [B] int32, each (row, KV head) list's
+    entries, n_sinks + sel_count + the window [fast_ws, seq_len), capped at cap; start [B]
+    int32, where row b's H_kv lists begin in the page buffer (in batch order); win_start [B]
+    int64, the rows' window starts; over [B] bool, lists longer than cap). fast_ws and
+    packed_len (= n_sinks + sel_count) are per pool slot. Triton only (the path is CUDA's)."""
+    B = req_pool_indices.shape[0]
+    dev = seq_lens.device
+    L = torch.empty(B, dtype=torch.int32, device=dev)
+    start = torch.empty(B, dtype=torch.int32, device=dev)
+    ws = torch.empty(B, dtype=torch.int64, device=dev)
+    over = torch.empty(B, dtype=torch.bool, device=dev)
+    if B:
+        _lengths_kernel[(1,)](req_pool_indices, seq_lens, fast_ws, packed_len, L, start, ws, over, B, int(cap),
+                              H=num_kv_heads, BLOCK=max(16, next_pow2(B)))
+    return L, start, ws, over
 
 
 @triton.jit

@@ -536,7 +536,7 @@ def test_flashinfer_lists_and_merge_are_the_fast_step(G):
     st, gen = make_pool(t, Hkv, G, D, seed=None)
     ref_mem = SparseMemory(2, [1], 8, Hkv, D, cfg.replace(fast_path="triton"), DEV, torch.float32, packed=False)
     mem = SparseMemory(2, [1], 8, Hkv, D, cfg, DEV, torch.float32, packed=True, group=G)
-    assert mem.fast_path == "flashinfer" and not mem.packed_k and mem.packed_len is None
+    assert mem.fast_path == "flashinfer" and not mem.packed_k
     assert mem.bytes() < SparseMemory(2, [1], 8, Hkv, D, CFG, DEV, torch.float32, packed=True).bytes()
     pos, cnt, ws = selection(cfg, n_sel, Hkv, gen, k=9)
     rpi, seq_lens = st["rpi"].clone(), st["seq_lens"].clone()
@@ -546,6 +546,7 @@ def test_flashinfer_lists_and_merge_are_the_fast_step(G):
     mem.fast_ws[rpi[3]] = NO_WINDOW  # as the padding slot: nothing selected, no window
     mem.sel_count[rpi[3]] = 0
     mem.n_sinks[rpi[3]] = 0
+    mem.packed_len[rpi[3]] = 0
     fi, cap = mem._fi, mem.fast_cap
     assert cap == 360 and fi.C == 3 and fif.ROW * fi.C >= cap
     fl = mem.fast_lists(rpi, seq_lens)

@@ -59,7 +59,7 @@ class SparseMemory:
       counts    [max_slots, 3] int64  fast, slow and dense decode steps of the slot's
                                     request (dense: steps the whole batch ran dense,
                                     --sfi-dense-below)
-    the Triton fast paths add
+    the kernel paths (every fast path on CUDA) add
       packed_len [max_slots] int32  = n_sinks + sel_count
     and fast_path "triton" also
       packed_k, packed_v  list over sparse layers of [max_slots, H_kv, S+K, D] (`dtype`)
@@ -101,7 +101,7 @@ class SparseMemory:
             P = self.sinks + K
             self.packed_k = [torch.zeros(M, H, P, self.head_dim, dtype=dtype, device=dev) for _ in range(L)]
             self.packed_v = [torch.zeros(M, H, P, self.head_dim, dtype=dtype, device=dev) for _ in range(L)]
-        if self.kernel_fast_path:
+        if self.packed:
             self.packed_len = torch.zeros(M, dtype=torch.int32, device=dev)
         # the FlashInfer path's lists, rows and planned wrappers, for up to M batch rows
         self._fi = None
@@ -217,7 +217,7 @@ class SparseMemory:
         positions = positions.to(dev)
         kp = positions.shape[-1]
         assert kp <= self.budget, f"{kp} selected positions > budget {self.budget}"
-        if self.kernel_fast_path:  # one launch: bookkeeping (and pack: kernels.store_selection)
+        if self.packed:  # one launch: bookkeeping (and pack: kernels.store_selection)
             pack = self.fast_path == "triton"
             self._k.store_selection(
                 k_cache, v_cache, req_to_token, s, positions.contiguous(), _per_row(sel_count, b, dev),
@@ -267,18 +267,15 @@ class SparseMemory:
             self._fi.plan(int(batch_size), sm_scale)
 
     def fast_lists(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor):
-        """Device, once per decode step: the FlashInfer path's per-row list lengths, for
-        attend_fast's `fast_plan` (None on the other paths), and `over` [B] bool: rows whose
-        lists outgrow fast_cap (the caller runs them dense this step)."""
+        """Device, once per decode step (one launch): the FlashInfer path's per-row list
+        lengths, for attend_fast's `fast_plan` (None on the other paths); its `over` [B] bool
+        marks rows whose lists outgrow fast_cap (the caller runs them dense this step)."""
         if self._fi is None:
             return None
         from sfi_sglang.kernels import flashinfer_fast as fif
 
-        rpi = req_pool_indices.to(self.device).long()
-        ws = self.fast_ws[rpi]
-        counts = fif.page_counts(rpi, seq_lens, ws, self.n_sinks, self.sel_count)
-        L, start = fif.lengths(counts, self._fi.cap, self.num_kv_heads)
-        return FastLists(L, start, ws, counts > self._fi.cap)
+        return FastLists(*fif.lengths(req_pool_indices, seq_lens, self.fast_ws, self.packed_len,
+                                      self._fi.cap, self.num_kv_heads))
 
     def attend_fast(self, layer_id: int, q: torch.Tensor, k_cache, v_cache, req_to_token,
                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
