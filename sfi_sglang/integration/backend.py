@@ -259,17 +259,19 @@ class SFIAttnBackend(AttentionBackend):
             force_dense[[i for i, _, _ in meta.host_rows]] = True
             force_dense = force_dense.to(slots.device)
         rows = meta.rows = self.step.begin(forward_batch.input_ids, slots, force_dense)
+        fast, over = rows.on & ~rows.slow, None
         if self.memory.fast_path == "flashinfer":
             self.memory.plan_fast(slots.shape[0], self.scaling)  # host, eager steps: once per size
             meta.fast_plan = lists = self.memory.fast_lists(slots, forward_batch.seq_lens)
-            # a row whose lists outgrow the planned bound (its request's own max_interval or
-            # window beyond the server's) runs this step's sparse layers dense
-            over = lists.over & rows.on
+            # a fast row whose lists outgrow the planned bound (its request's own max_interval
+            # or window beyond the server's) runs this step's sparse layers dense
+            over = lists.over & fast
+            fast = fast & ~over
             rows.need_l = rows.need_l | over[None, :]
             rows.need = rows.need | over.any()
         if meta.extra_rows is not None:
             self.policy.mark_pending(slots, meta.extra_rows, rows.slow)
-        self.memory.count_steps(slots, rows.on & ~rows.slow, rows.slow)
+        self.memory.count_steps(slots, fast, rows.slow, over)
         meta.win_start = self.memory.step_window_start(slots)
         batched = self.selection.side_stream is None
         meta.layer_scores = self.scores.step(slots.shape[0]) if batched else None

@@ -58,7 +58,8 @@ class SparseMemory:
       fast_ws   [max_slots] int64   the packed path's window start, set by `store`
       counts    [max_slots, 3] int64  fast, slow and dense decode steps of the slot's
                                     request (dense: steps the whole batch ran dense,
-                                    --sfi-dense-below)
+                                    --sfi-dense-below, or the row's FlashInfer lists
+                                    outgrew their bound)
     the kernel paths (every fast path on CUDA) add
       packed_len [max_slots] int32  = n_sinks + sel_count
     and fast_path "triton" also
