@@ -36,7 +36,7 @@ ROW = 128  # entries per FlashInfer row at most (FlashInfer's least split at pag
 BLOCK_PAGES = 256
 FLOAT_WORKSPACE_BYTES = 32 * 2**20  # split-KV scratch, shared by every batch size's wrapper
 INT_WORKSPACE_BYTES = 2**20  # one plan's tile tables (a few int32 per work tile)
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(math.log(2.0))
 
 
 def rows_per_list(cap: int) -> int:
@@ -80,7 +80,7 @@ def lengths(req_pool_indices, seq_lens, fast_ws, packed_len, cap: int, num_kv_he
 
 
 @triton.jit
-def _lists_kernel(Q, Qrows, Req_to_token, Req_pool_indices, Len, Start, Seq_lens, Win_start, N_sinks,
+def _lists_kernel(Q, Qrows, Req_to_token, Req_pool_indices, Len, Start, Win_start, N_sinks,
                   Sel_pos, Sel_count, Indptr, Pages, B, stride_qb, stride_qh, stride_rt, stride_sp_slot,
                   stride_sp_h, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                   C: tl.constexpr, CP: tl.constexpr, BLOCK: tl.constexpr):
@@ -133,7 +133,7 @@ def build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start
         return
     G = Hq // H
     grid = (B, H, max(1, triton.cdiv(max_len, BLOCK_PAGES)))
-    _lists_kernel[grid](q, qrows, req_to_token, req_pool_indices, L, start, seq_lens, win_start, n_sinks,
+    _lists_kernel[grid](q, qrows, req_to_token, req_pool_indices, L, start, win_start, n_sinks,
                         sel_pos, sel_count, indptr, pages, B, q.stride(0), q.stride(1),
                         req_to_token.stride(0), sel_pos.stride(0), sel_pos.stride(1), H=H, G=G,
                         GP=next_pow2(G), D=D, C=C, CP=next_pow2(C), BLOCK=BLOCK_PAGES)
@@ -160,8 +160,7 @@ def _merge_kernel(O, Lse, Out, Lse_out, stride_ob, stride_oh, H: tl.constexpr, G
     res = tl.where(den > 0, acc / tl.where(den > 0, den, 1.0), 0.0)
     tl.store(Out + b * stride_ob + hq * stride_oh + d, res.to(Out.dtype.element_ty))
     if HAS_LSE:
-        lse_nat = tl.where(den > 0, (m + tl.log2(tl.where(den > 0, den, 1.0))) * 0.6931471805599453,
-                           float("-inf"))
+        lse_nat = tl.where(den > 0, (m + tl.log2(tl.where(den > 0, den, 1.0))) * LN2, float("-inf"))
         tl.store(Lse_out + b * (H * G) + hq, lse_nat)
 
 
@@ -223,8 +222,9 @@ class FlashInferFastDecode:
             self.float_ws = torch.zeros(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         n = B * self.H * self.C
         if n > self.last_page_len.numel():
-            raise RuntimeError(f"SFI: a decode step of {B} rows, beyond the {self.last_page_len.numel() // (self.H * self.C)} "
-                               "the FlashInfer fast path's buffers were made for")
+            raise RuntimeError(f"SFI: a decode step of {B} rows, beyond the "
+                               f"{self.last_page_len.numel() // (self.H * self.C)} the FlashInfer fast "
+                               "path's buffers were made for")
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.float_ws, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=self.indptr[:n + 1],
             paged_kv_indices_buffer=self.pages, paged_kv_last_page_len_buffer=self.last_page_len[:n],
