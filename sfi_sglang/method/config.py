@@ -116,9 +116,10 @@ class SFIConfig:
     # fast-step kernel on CUDA (server-wide): "triton" (kernels.fast_decode over packed
     # sinks + selected and the window in place), "triton-pool" (the same kernel reading the
     # sinks and the selected positions in place from SGLang's pool, through req_to_token:
-    # no packed copy per request slot) or "flashinfer" (FlashInfer's paged decode, page
-    # size 1, KV heads folded into the batch; needs flashinfer). Default by measurement:
-    # bench/NOTES.md section 14. The CPU always runs the torch reference.
+    # no packed copy per request slot) or "flashinfer" (FlashInfer's paged decode over the
+    # same positions in place, page size 1, KV heads folded into the batch, in the decode
+    # graphs; needs flashinfer). Default by measurement: bench/NOTES.md sections 14, 32 and
+    # 41. The CPU always runs the torch reference.
     fast_path: str = "triton"
     # the dense attention backend SFI wraps (server-wide): it runs prefill, the dense layers
     # and SFI-off rows. "auto": SGLang's triton on CUDA, torch_native on the CPU engine;
