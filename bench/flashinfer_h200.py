@@ -172,7 +172,7 @@ def run_config(N, B, l2):
         (lambda s=s: fi.attend_fast(0, s["q"], kc, vc, r2t, s["req_pool_indices"], s["seq_lens"], sm,
                                     out=s["out"], fast_plan=fi.fast_lists(s["req_pool_indices"], s["seq_lens"])))
         for s in sets], fast_bytes)
-    fd, n = fi._fi, B * Hkv * fi._fi.C
+    fd, n = fi._fi, B * Hkv * fi._fi.R
     kv = (kc.view(-1, 1, 1, D), vc.view(-1, 1, 1, D))
     res["fi_run"] = timed("flashinfer_run_only", cfg, [
         lambda: fd.wrappers[B].run(fd.qrows[:n], kv, out=fd.o_rows[:n], lse=fd.lse_rows[:n], return_lse=True)],
@@ -186,7 +186,7 @@ def run_config(N, B, l2):
                                fi.sel_pos[0], fi.sel_count, fd.indptr, fd.pages, fd.qrows, fd.C, fd.cap)],
         fast_bytes)
     res["fi_merge"] = timed("flashinfer_merge_rows", cfg, [
-        lambda: FF.merge_rows(fd.o_rows[:n], fd.lse_rows[:n], s0["out"], fd.C)], fast_bytes)
+        lambda: FF.merge_rows(fd.o_rows[:n], fd.lse_rows[:n], s0["out"], fd.C, R=fd.R)], fast_bytes)
     res["fi_layer"] = timed("flashinfer_layer_given_lists", cfg, [
         lambda: fi.attend_fast(0, s0["q"], kc, vc, r2t, rpi0, s0["seq_lens"], sm, out=s0["out"], fast_plan=fl)],
         fast_bytes)

@@ -83,7 +83,8 @@ def lengths(req_pool_indices, seq_lens, fast_ws, packed_len, cap: int, num_kv_he
 def _lists_kernel(Q, Qrows, Req_to_token, Req_pool_indices, Len, Start, Win_start, N_sinks,
                   Sel_pos, Sel_count, Indptr, Pages, B, stride_qb, stride_qh, stride_rt, stride_sp_slot,
                   stride_sp_h, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                  C: tl.constexpr, CP: tl.constexpr, BLOCK: tl.constexpr):
+                  C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, BLOCK: tl.constexpr,
+                  HOLES: tl.constexpr, K: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     blk = tl.program_id(2)
@@ -93,35 +94,50 @@ def _lists_kernel(Q, Qrows, Req_to_token, Req_pool_indices, Len, Start, Win_star
     ns = tl.load(N_sinks + pool).to(tl.int32)
     plen = ns + tl.load(Sel_count + pool).to(tl.int32)
     ws = tl.load(Win_start + b).to(tl.int32)
+    sel_row = Sel_pos + pool * stride_sp_slot + h * stride_sp_h
+    Lv = L
+    if HOLES:  # whole pages: the head's trailing -1 entries read nothing (they close its region)
+        holes = 0
+        for e0 in tl.static_range(0, K, BLOCK):
+            e = e0 + tl.arange(0, BLOCK)
+            x = tl.load(sel_row + e, mask=e < plen - ns, other=0)
+            holes += tl.sum((x < 0).to(tl.int32), 0)
+        plen = plen - holes
+        Lv = L - holes
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     valid = offs < L
     is_sel = (offs >= ns) & (offs < plen)
-    sel = tl.load(Sel_pos + pool * stride_sp_slot + h * stride_sp_h + (offs - ns), mask=valid & is_sel, other=0)
+    sel = tl.load(sel_row + (offs - ns), mask=valid & is_sel, other=0)
     pos = tl.where(offs < ns, offs, tl.where(is_sel, sel, ws + offs - plen))
+    pos = tl.where(offs < Lv, pos, 0)  # past the head's list: a page no row reads
     slot = tl.load(Req_to_token + pool * stride_rt + pos, mask=valid, other=0).to(tl.int64)
     tl.store(Pages + base + offs, (slot * H + h).to(tl.int32), mask=valid)
     if blk == 0:
-        # the C rows of this list: row c holds entries [c * L // C, (c + 1) * L // C)
+        # the C rows of this list: row c holds entries [c * Lv // C, (c + 1) * Lv // C); with
+        # HOLES one more row (its output unread) holds the rest of the region, [Lv, L)
         c = tl.arange(0, CP)
-        row = (b * H + h) * C + c
-        tl.store(Indptr + row, base + (c * L) // C, mask=c < C)
-        tl.store(Indptr + B * H * C + c * 0, base + L, mask=(c == 0) & (b == B - 1) & (h == H - 1))
+        row = (b * H + h) * R + c
+        tl.store(Indptr + row, base + (c * Lv) // C, mask=c < R)
+        tl.store(Indptr + B * H * R + c * 0, base + L, mask=(c == 0) & (b == B - 1) & (h == H - 1))
         # the query of this KV head's G heads, once per row
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
         gmask = (g < G)[:, None] & (d < D)[None, :]
         qv = tl.load(Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=gmask, other=0.0)
-        for r in tl.static_range(C):
-            dst = Qrows + (((b * H + h) * C + r) * G + g)[:, None].to(tl.int64) * D + d[None, :]
+        for r in tl.static_range(R):
+            dst = Qrows + (((b * H + h) * R + r) * G + g)[:, None].to(tl.int64) * D + d[None, :]
             tl.store(dst, qv, mask=gmask)
 
 
 def build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start, n_sinks, sel_pos,
-                sel_count, indptr, pages, qrows, C: int, max_len: int):
+                sel_count, indptr, pages, qrows, C: int, max_len: int, holes: bool = False):
     """One layer's FlashInfer inputs: pages[start[b] + h * L[b] + i] = the KV page of entry i
     of (b, h)'s list (sinks, sel_pos[pool, h, :sel_count], window, as slot * H + h; L[b]
-    entries), indptr of the B * H * C rows (row (b * H + h) * C + c), and qrows
-    [B * H * C, G, D] = q [B, H * G, D] of the row's KV head. max_len >= max(L) (a host bound)."""
+    entries), indptr of the B * H * R rows (row (b * H + h) * R + c, R = C), and qrows
+    [B * H * R, G, D] = q [B, H * G, D] of the row's KV head. max_len >= max(L) (a host bound).
+    holes (whole pages, --sfi-selection-page): a head's -1 entries (trailing: the Selector's
+    pages are sorted, -1 padded) are left out of its list, whose C rows end that many entries
+    early; R = C + 1, the last row holding the rest of the region (its output unread)."""
     B, Hq, D = q.shape
     H = sel_pos.shape[1]
     if B == 0:
@@ -129,26 +145,27 @@ def build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start
     if not use_triton(q):
         from .reference import ref_build_lists
         ref_build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start, n_sinks,
-                        sel_pos, sel_count, indptr, pages, qrows, C)
+                        sel_pos, sel_count, indptr, pages, qrows, C, holes)
         return
     G = Hq // H
     grid = (B, H, max(1, triton.cdiv(max_len, BLOCK_PAGES)))
     _lists_kernel[grid](q, qrows, req_to_token, req_pool_indices, L, start, win_start, n_sinks,
                         sel_pos, sel_count, indptr, pages, B, q.stride(0), q.stride(1),
                         req_to_token.stride(0), sel_pos.stride(0), sel_pos.stride(1), H=H, G=G,
-                        GP=next_pow2(G), D=D, C=C, CP=next_pow2(C), BLOCK=BLOCK_PAGES)
+                        GP=next_pow2(G), D=D, C=C, R=C + int(holes), CP=next_pow2(C + int(holes)), BLOCK=BLOCK_PAGES,
+                        HOLES=bool(holes), K=sel_pos.shape[2])
 
 
 @triton.jit
 def _merge_kernel(O, Lse, Out, Lse_out, stride_ob, stride_oh, H: tl.constexpr, G: tl.constexpr,
-                  D: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, HAS_LSE: tl.constexpr):
+                  D: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, HAS_LSE: tl.constexpr):
     b = tl.program_id(0)
     hq = tl.program_id(1)
     h = hq // G
     g = hq % G
     c = tl.arange(0, CP)
     d = tl.arange(0, D)
-    row = ((b * H + h) * C + c).to(tl.int64)
+    row = ((b * H + h) * R + c).to(tl.int64)
     lse = tl.load(Lse + row * G + g, mask=c < C, other=float("-inf"))  # log2 (FlashInfer's)
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
@@ -164,21 +181,21 @@ def _merge_kernel(O, Lse, Out, Lse_out, stride_ob, stride_oh, H: tl.constexpr, G
         tl.store(Lse_out + b * (H * G) + hq, lse_nat)
 
 
-def merge_rows(o_rows, lse_rows, out, C: int, lse_out=None):
-    """out [B, H_q, D] = each (b, head)'s C row outputs o_rows [B * H * C, G, D] merged by
-    their log2-sum-exps lse_rows [B * H * C, G] (empty rows: LSE -inf, weight 0; a list with
-    no entry gives 0). lse_out [B, H_q] float32, optional: the natural log-sum-exp over the
-    whole list."""
+def merge_rows(o_rows, lse_rows, out, C: int, lse_out=None, R: int = 0):
+    """out [B, H_q, D] = each (b, head)'s first C of R (default C) row outputs o_rows
+    [B * H * R, G, D] merged by their log2-sum-exps lse_rows [B * H * R, G] (empty rows: LSE
+    -inf, weight 0; a list with no entry gives 0). lse_out [B, H_q] float32, optional: the
+    natural log-sum-exp over the whole list."""
     B, Hq, D = out.shape
     if B == 0:
         return out
     G = o_rows.shape[1]
     if not use_triton(out):
         from .reference import ref_merge_rows
-        return ref_merge_rows(o_rows, lse_rows, out, C, lse_out)
+        return ref_merge_rows(o_rows, lse_rows, out, C, lse_out, R or C)
     _merge_kernel[(B, Hq)](o_rows, lse_rows, out, lse_out if lse_out is not None else lse_rows,
-                           out.stride(0), out.stride(1), H=Hq // G, G=G, D=D, C=C, CP=next_pow2(C),
-                           HAS_LSE=lse_out is not None)
+                           out.stride(0), out.stride(1), H=Hq // G, G=G, D=D, C=C, R=R or C,
+                           CP=next_pow2(C), HAS_LSE=lse_out is not None)
     return out
 
 
@@ -188,12 +205,14 @@ class FlashInferFastDecode:
     batch size's first step or graph capture: `plan`); `run` per layer is device work only."""
 
     def __init__(self, num_kv_heads: int, group: int, head_dim: int, cap: int, max_rows: int,
-                 device, dtype):
+                 device, dtype, holes: bool = False):
         self.H, self.G, self.D, self.dtype = num_kv_heads, group, head_dim, dtype
         self.cap, self.C = int(cap), rows_per_list(cap)
+        self.holes = bool(holes)  # whole pages: one more row per list (build_lists)
+        self.R = self.C + int(self.holes)
         self.row_len = math.ceil(self.cap / self.C)
         self.device = torch.device(device)
-        rows = max_rows * self.H * self.C
+        rows = max_rows * self.H * self.R
         dev = self.device
         self.indptr = torch.zeros(rows + 1, dtype=torch.int32, device=dev)
         self.last_page_len = torch.ones(rows, dtype=torch.int32, device=dev)
@@ -220,10 +239,10 @@ class FlashInferFastDecode:
 
         if self.float_ws is None:
             self.float_ws = torch.zeros(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        n = B * self.H * self.C
+        n = B * self.H * self.R
         if n > self.last_page_len.numel():
             raise RuntimeError(f"SFI: a decode step of {B} rows, beyond the "
-                               f"{self.last_page_len.numel() // (self.H * self.C)} the FlashInfer fast "
+                               f"{self.last_page_len.numel() // (self.H * self.R)} the FlashInfer fast "
                                "path's buffers were made for")
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.float_ws, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=self.indptr[:n + 1],
@@ -242,11 +261,11 @@ class FlashInferFastDecode:
         """q [B, H_q, D] -> [B, H_q, D] over each row's lists (L, start from `lengths`);
         sel_pos [slots, H, K] of this layer. The wrapper of batch size B must be planned."""
         B, Hq, D = q.shape
-        n = B * self.H * self.C
+        n = B * self.H * self.R
         build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start, n_sinks, sel_pos,
-                    sel_count, self.indptr, self.pages, self.qrows, self.C, self.cap)
+                    sel_count, self.indptr, self.pages, self.qrows, self.C, self.cap, self.holes)
         kv = (k_cache.view(-1, 1, 1, D), v_cache.view(-1, 1, 1, D))
         self.wrappers[B].run(self.qrows[:n], kv, out=self.o_rows[:n], lse=self.lse_rows[:n], return_lse=True)
         if out is None:
             out = q.new_empty(q.shape)
-        return merge_rows(self.o_rows[:n], self.lse_rows[:n], out, self.C, lse_out)
+        return merge_rows(self.o_rows[:n], self.lse_rows[:n], out, self.C, lse_out, self.R)

@@ -141,36 +141,42 @@ def ref_store_key_norms(k, cache_loc, norms_pool, **_ignored):
 
 
 def ref_build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start, n_sinks, sel_pos,
-                    sel_count, indptr, pages, qrows, C):
+                    sel_count, indptr, pages, qrows, C, holes=False):
     """Reference of flashinfer_fast.build_lists (KV heads folded into the batch, each list
-    cut into C rows)."""
+    cut into C rows; with holes, -1 entries left out and one more row per list)."""
     B, Hq, D = q.shape
     H = sel_pos.shape[1]
     G = Hq // H
+    R = C + int(holes)
     for b, pool in enumerate(req_pool_indices.tolist()):
         ns, c = int(n_sinks[pool]), int(sel_count[pool])
         ws, n, length = int(win_start[b]), int(seq_lens[b]), int(L[b])
         for h in range(H):
-            pos = torch.cat([torch.arange(ns, device=pages.device), sel_pos[pool, h, :c].long(),
-                             torch.arange(ws, max(n, ws), device=pages.device)])[:length]
+            sel = sel_pos[pool, h, :c].long()
+            sel = sel[sel >= 0] if holes else sel
+            pos = torch.cat([torch.arange(ns, device=pages.device), sel,
+                             torch.arange(ws, max(n, ws), device=pages.device)])[:length - (c - sel.numel())]
+            pos = torch.cat([pos, pos.new_zeros(length - pos.numel())])  # the region's unread rest
             base = int(start[b]) + h * length
             pages[base: base + length] = (req_to_token[pool, pos].long() * H + h).to(pages.dtype)
-            for r in range(C):
-                row = (b * H + h) * C + r
-                indptr[row] = base + r * length // C
+            used = length - (c - sel.numel())
+            for r in range(R):
+                row = (b * H + h) * R + r
+                indptr[row] = base + r * used // C
                 qrows[row] = q[b, h * G:(h + 1) * G]
             if b == B - 1 and h == H - 1:
-                indptr[B * H * C] = base + length
+                indptr[B * H * R] = base + length
     return pages
 
 
-def ref_merge_rows(o_rows, lse_rows, out, C, lse_out=None):
-    """Reference of flashinfer_fast.merge_rows (float64): rows' outputs merged by their
-    log2-sum-exps; -inf rows weigh nothing, a list with no entry gives 0."""
+def ref_merge_rows(o_rows, lse_rows, out, C, lse_out=None, R=None):
+    """Reference of flashinfer_fast.merge_rows (float64): the first C of each list's R rows
+    merged by their log2-sum-exps; -inf rows weigh nothing, a list with no entry gives 0."""
     B, Hq, D = out.shape
     G = o_rows.shape[1]
-    lse = lse_rows.double().view(B, Hq // G, C, G)
-    o = o_rows.double().view(B, Hq // G, C, G, D)
+    R = R or C
+    lse = lse_rows.double().view(B, Hq // G, R, G)[:, :, :C]
+    o = o_rows.double().view(B, Hq // G, R, G, D)[:, :, :C]
     m = lse.amax(2, keepdim=True)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     w = torch.where(torch.isinf(lse), torch.zeros_like(lse), torch.exp2(lse - m))

@@ -144,7 +144,7 @@ def test_reference_only_request_options_need_the_cpu_engine(monkeypatch):
     """The top-up and whole-page selection per request: taken by the CPU engine's eager
     server (REFERENCE_ENV "1"), refused with what they need on a GPU server (the packed
     Triton path would not read the top-up, and skips a selection's empty entries only on a
-    server launched with whole pages); whole pages on the FlashInfer fast path: refused."""
+    server launched with whole pages); whole pages server-wide on every fast path."""
     from sfi_sglang.method.config import SFIConfigError
     from sfi_sglang.method.options import EAGER_ENV, REFERENCE_ENV, request_config
 
@@ -158,8 +158,7 @@ def test_reference_only_request_options_need_the_cpu_engine(monkeypatch):
             request_config(SFIConfig(), {"sfi": opts})
     pages = SFIConfig(selection_page=16)
     assert request_config(pages, {"sfi": {"budget": 512}})[1].selection_page == 16  # the server's
-    with pytest.raises(SFIConfigError, match="--sfi-selection-page > 1 needs --sfi-fast-path triton or triton-pool"):
-        SFIConfig(selection_page=16, fast_path="flashinfer")
+    assert SFIConfig(selection_page=16, fast_path="flashinfer").selection_page == 16
 
 
 def test_clients_cannot_set_the_internal_boundary_ids_key():

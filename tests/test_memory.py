@@ -517,21 +517,25 @@ def test_kernel_fused_selector_gathers_pool_norms():
 
 
 @kernel_test
-@pytest.mark.parametrize("G", [1, 4])
-def test_flashinfer_lists_and_merge_are_the_fast_step(G):
+@pytest.mark.parametrize("G,whole_pages", [(1, False), (4, False), (4, True)])
+def test_flashinfer_lists_and_merge_are_the_fast_step(G, whole_pages):
     """The FlashInfer fast path around FlashInfer's decode (kernels.flashinfer_fast): each
     (request, KV head) list (page = KV slot * H_kv + head) holds exactly the fast step's
     positions, cut into C rows that together cover it; FlashInfer's decode over those rows
     (its float64 stand-in, ref_paged_decode) merged by merge_rows equals the reference fast
     step, log-sum-exp included. Rows: lists longer than ROW (several rows each), one shorter
     than C (empty rows, LSE -inf), the padding slot's (no entry: output 0), and one whose
-    lists outgrow the planned bound (flagged `over`, capped). The Triton kernels equal their
+    lists outgrow the planned bound (flagged `over`, capped). With whole pages
+    (--sfi-selection-page) some heads hold fewer positions than the count (trailing -1
+    entries, as the Selector's pages leave): their lists leave them out, and one more row per
+    list, unread by the merge, covers the rest of the region. The Triton kernels equal their
     references, and nothing is packed."""
     from sfi_sglang.kernels import flashinfer_fast as fif
     from sfi_sglang.method.memory import NO_WINDOW
 
     Hkv, D = 3, 16
-    cfg = CFG.replace(fast_path="flashinfer", max_interval=300)  # cap 360: C = 3 rows of 120
+    cfg = CFG.replace(fast_path="flashinfer", max_interval=300,  # cap 360: C = 3 rows of 120
+                      selection_page=3 if whole_pages else 1)
     n_sel, t = [60, 52, 2, 40, 60], [296, 57, 2, 40, 420]
     st, gen = make_pool(t, Hkv, G, D, seed=None)
     ref_mem = SparseMemory(2, [1], 8, Hkv, D, cfg.replace(fast_path="triton"), DEV, torch.float32, packed=False)
@@ -539,6 +543,9 @@ def test_flashinfer_lists_and_merge_are_the_fast_step(G):
     assert mem.fast_path == "flashinfer" and not mem.packed_k
     assert mem.bytes() < SparseMemory(2, [1], 8, Hkv, D, CFG, DEV, torch.float32, packed=True).bytes()
     pos, cnt, ws = selection(cfg, n_sel, Hkv, gen, k=9)
+    if whole_pages:  # heads holding 9 - 3 and 9 - 5 of the 9 (trailing -1, still sorted)
+        pos[0, 0, 6:9] = -1
+        pos[4, Hkv - 1, 4:9] = -1
     rpi, seq_lens = st["rpi"].clone(), st["seq_lens"].clone()
     for m in (ref_mem, mem):
         m.reset(rpi)
@@ -548,43 +555,47 @@ def test_flashinfer_lists_and_merge_are_the_fast_step(G):
     mem.n_sinks[rpi[3]] = 0
     mem.packed_len[rpi[3]] = 0
     fi, cap = mem._fi, mem.fast_cap
-    assert cap == 360 and fi.C == 3 and fif.ROW * fi.C >= cap
+    assert cap == 360 and fi.C == 3 and fif.ROW * fi.C >= cap and fi.R == 3 + whole_pages
     fl = mem.fast_lists(rpi, seq_lens)
     want_len = [4 + 9 + 296 - 52, 4 + 9 + 57 - 44, 2, 0, 4 + 9 + 420 - 52]
     assert fl.over.tolist() == [False, False, False, False, True]
     assert fl.lengths.tolist() == [min(n, cap) for n in want_len]
     sm = D ** -0.5
-    B, n = len(t), len(t) * Hkv * fi.C
+    B, n = len(t), len(t) * Hkv * fi.R
     bufs = [(torch.full_like(fi.indptr, -7), torch.full_like(fi.pages, -7), torch.zeros_like(fi.qrows))
             for _ in range(2)]
     for build, (indptr, pages, qrows) in zip((fif.build_lists, REF.ref_build_lists), bufs):
         args = (st["q"], st["rtt"], rpi, fl.lengths, fl.start, seq_lens, fl.win_start, mem.n_sinks,
                 mem.sel_pos[0], mem.sel_count, indptr, pages, qrows, fi.C)
-        build(*args, cap) if build is fif.build_lists else build(*args)
+        build(*args, cap, whole_pages) if build is fif.build_lists else build(*args, whole_pages)
     (indptr, pages, qrows), (rindptr, rpages, rqrows) = bufs
     assert torch.equal(indptr[:n + 1], rindptr[:n + 1])
     assert torch.equal(pages[:int(indptr[n])], rpages[:int(indptr[n])])
     assert torch.equal(qrows[:n], rqrows[:n])
-    rows_len = (indptr[1:n + 1] - indptr[:n]).view(B, Hkv, fi.C)
-    assert int(rows_len.max()) <= fi.row_len <= fif.ROW and int(rows_len.min()) >= 0
-    assert rows_len[2].min() == 0 and rows_len[3].sum() == 0  # empty rows: a short list, none
+    rows_len = (indptr[1:n + 1] - indptr[:n]).view(B, Hkv, fi.R)
+    real = rows_len[:, :, :fi.C]  # the merged rows; with whole pages the last row holds the rest
+    assert int(real.max()) <= fi.row_len <= fif.ROW and int(rows_len.min()) >= 0
+    assert real[2].min() == 0 and rows_len[3].sum() == 0  # empty rows: a short list, none
     for b, slot in enumerate(rpi.tolist()):
         if b in (3, 4):
             continue
         want = fast_positions(ref_mem, 1, slot, t[b])
         for h in range(Hkv):
-            lo = int(indptr[(b * Hkv + h) * fi.C])
-            row = pages[lo: lo + int(fl.lengths[b])].long()
+            w = want[h][want[h] >= 0]
+            assert int(real[b, h].sum()) == w.numel()
+            assert int(rows_len[b, h].sum()) == int(fl.lengths[b])
+            lo = int(indptr[(b * Hkv + h) * fi.R])
+            row = pages[lo: lo + w.numel()].long()
             assert torch.equal(row % Hkv, torch.full_like(row, h))
-            assert torch.equal(row // Hkv, st["rtt"][slot, want[h]].long())
+            assert torch.equal(row // Hkv, st["rtt"][slot, w].long())
     o_rows, lse_rows = REF.ref_paged_decode(qrows[:n], st["k"].reshape(-1, D), st["v"].reshape(-1, D),
                                             indptr, pages, sm)
-    assert torch.isinf(lse_rows[(2 * Hkv) * fi.C:(4 * Hkv) * fi.C]).any()
+    assert torch.isinf(lse_rows[(2 * Hkv) * fi.R:(4 * Hkv) * fi.R]).any()
     ref_lse = torch.empty(B, Hkv * G)
     ref = ref_mem.attend_fast(1, st["q"], st["k"], st["v"], st["rtt"], rpi, seq_lens, sm, lse_out=ref_lse)
     for merge in (fif.merge_rows, REF.ref_merge_rows):
         out, lse = torch.full_like(st["q"], float("nan")), torch.full((B, Hkv * G), float("nan"))
-        merge(o_rows.float(), lse_rows.float(), out, fi.C, lse_out=lse)
+        merge(o_rows.float(), lse_rows.float(), out, fi.C, lse_out=lse, R=fi.R)
         keep = [0, 1, 2]
         assert rel_err(out[keep], ref[keep]) < 1e-5
         assert torch.allclose(lse[keep], ref_lse[keep], atol=1e-4)

@@ -215,9 +215,6 @@ class SFIConfig:
             bad("fast_path", "'triton', 'triton-pool' or 'flashinfer'")
         if self.dense_backend not in DENSE_BACKENDS:
             bad("dense_backend", "'auto', 'triton' or 'flashinfer'")
-        if self.selection_page > 1 and self.fast_path not in KERNEL_FAST_PATHS:
-            raise SFIConfigError(f"{cli_name('selection_page')} > 1 needs {cli_name('fast_path')} triton or "
-                                 "triton-pool (the flashinfer path reads every listed entry)")
         for name in ("use_prior", "use_nms", "use_exclusivity"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "true or false")

@@ -109,7 +109,8 @@ class SparseMemory:
         if self.fast_path == "flashinfer":
             from sfi_sglang.kernels.flashinfer_fast import FlashInferFastDecode
 
-            self._fi = FlashInferFastDecode(H, int(group), self.head_dim, self.fast_cap, M, dev, dtype)
+            self._fi = FlashInferFastDecode(H, int(group), self.head_dim, self.fast_cap, M, dev, dtype,
+                                            holes=cfg.selection_page > 1)
         self._k = _kernels() if self.packed else None
         self._ar_k = torch.arange(K, device=dev)
         self._ar_s = torch.arange(self.sinks, device=dev)
