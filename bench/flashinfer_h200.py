@@ -11,9 +11,10 @@ All paths run through SparseMemory (sfi_sglang/method/memory.py), the backend's 
                step, attend_fast = the lists (one Triton launch), FlashInfer's decode over
                rows of <= 128 entries, the rows' merge (one Triton launch): no host work
   1. Correctness vs float64 (kernels.reference.ref_fast_decode over the same selection):
-     ragged small shapes (G = 1, 4, 8) and Qwen3-4B shapes at 32K B=8, eagerly and in a
-     CUDA graph replayed after the lengths, window starts and selections changed (shorter
-     lists than planned, other counts).
+     ragged small shapes (G = 1, 4, 8; one with whole pages, KV head 0 holding fewer
+     positions than the count) and Qwen3-4B shapes at 32K B=8, eagerly and in a CUDA graph
+     replayed after the lengths, window starts and selections changed (shorter lists than
+     planned, other counts).
   2. Per-layer times (CUDA-graph replays) at N in {8K, 32K, 128K} x B in {1, 8} (budget
      4 + 2048 + 256): dense SDPA, each fast path, FlashInfer's decode alone.
 Writes flashinfer_h200.json, prints a table last.
@@ -41,15 +42,16 @@ from sfi_sglang.kernels import flashinfer_fast as FF  # noqa: E402
 _, CFG = KH.load_selector()
 
 
-def memories(S, W, Kc, M, Hkv, D, dtype, G=1):
-    base = CFG.SFIConfig(sinks=S, window=W, budget=Kc, dense_layers=())
+def memories(S, W, Kc, M, Hkv, D, dtype, G=1, page=1):
+    base = CFG.SFIConfig(sinks=S, window=W, budget=Kc, dense_layers=(), selection_page=page)
     return [MEM.SparseMemory(1, [0], M, Hkv, D, base.replace(fast_path=fp), DEV, dtype, packed=True, group=G)
             for fp in ("triton", "triton-pool", "flashinfer")]
 
 
-def store_random(mems, rpi, seq_lens, S, W, Kc, kc, vc, r2t, gen=None):
+def store_random(mems, rpi, seq_lens, S, W, Kc, kc, vc, r2t, holes=False):
     """The same random selection (Kc sorted positions in [S, n - W) per row and head) in
-    every memory."""
+    every memory; holes: KV head 0 of each row holds fewer (trailing -1 entries, as whole
+    pages leave them)."""
     H = kc.shape[1]
     B = rpi.numel()
     n = seq_lens.tolist()
@@ -61,6 +63,8 @@ def store_random(mems, rpi, seq_lens, S, W, Kc, kc, vc, r2t, gen=None):
         if c:
             sel = torch.rand(H, hi - S, device=DEV).topk(c, -1).indices.sort(-1).values + S
             pos[b, :, :c] = sel.int()
+            if holes:
+                pos[b, 0, c - (b % 3 + 1) * c // 4:c] = -1
         cnt[b] = c
     ws = (seq_lens.long() - W).clamp_min(S)
     for m in mems:
@@ -71,10 +75,11 @@ def store_random(mems, rpi, seq_lens, S, W, Kc, kc, vc, r2t, gen=None):
 def correctness():
     ok = True
     ref = KH.K.ref_fast_decode
-    for G, D, dtype, lens, S, W, Kc in [(1, 128, torch.bfloat16, [300, 1000, 77], 4, 32, 48),
-                                        (4, 128, torch.bfloat16, [513, 90, 2000, 36], 4, 64, 100),
-                                        (8, 128, torch.float16, [700, 260], 4, 32, 64),
-                                        (4, 128, torch.bfloat16, [32768] * 8, 4, 256, 2048)]:
+    for G, D, dtype, lens, S, W, Kc, page in [(1, 128, torch.bfloat16, [300, 1000, 77], 4, 32, 48, 1),
+                                              (4, 128, torch.bfloat16, [513, 90, 2000, 36], 4, 64, 100, 1),
+                                              (4, 128, torch.bfloat16, [513, 90, 2000, 36], 4, 64, 100, 4),
+                                              (8, 128, torch.float16, [700, 260], 4, 32, 64, 1),
+                                              (4, 128, torch.bfloat16, [32768] * 8, 4, 256, 2048, 1)]:
         Hkv = 8 if lens[0] == 32768 else 2
         B, M = len(lens), len(lens) + 3
         ntok = sum(lens) + 5
@@ -88,11 +93,11 @@ def correctness():
             r2t[rpi[b], :n] = perm[off:off + n]
             off += n
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-        tri, pool, fi = memories(S, W, Kc, M, Hkv, D, dtype, G)
-        store_random([tri, pool, fi], rpi, seq_lens, S, W, Kc, kc, vc, r2t)
+        tri, pool, fi = memories(S, W, Kc, M, Hkv, D, dtype, G, page)
+        store_random([tri, pool, fi], rpi, seq_lens, S, W, Kc, kc, vc, r2t, holes=page > 1)
         q = torch.randn(B, Hkv * G, D, device=DEV, dtype=dtype)
         sm = D ** -0.5
-        tag = f"G{G} D{D} {str(dtype)[6:]} lens{lens[:4]}"
+        tag = f"G{G} D{D} {str(dtype)[6:]} lens{lens[:4]}" + (f" pages of {page}" if page > 1 else "")
         fi.plan_fast(B, sm)
         out = torch.full_like(q, float("nan"))
 
@@ -102,7 +107,7 @@ def correctness():
 
         def want():
             return ref(q, kc, vc, r2t, rpi, seq_lens, tri.fast_ws[rpi], tri.packed_k[0], tri.packed_v[0],
-                       tri.packed_len, sm)
+                       tri.packed_len, sm, holes=tri.sel_pos[0] if page > 1 else None, hole_base=S)
 
         step()
         ok &= check(f"flashinfer_fast {tag}", KH.rel_err(out, want()), 2e-2)
@@ -123,7 +128,7 @@ def correctness():
         for trial in range(3):
             n_sel = [max(S + 1, int(n * (0.3 + 0.3 * trial))) for n in lens]
             store_random([tri, pool, fi], rpi, torch.tensor(n_sel, dtype=torch.int32, device=DEV), S, W,
-                         max(1, Kc // (trial + 2)), kc, vc, r2t)
+                         max(1, Kc // (trial + 2)), kc, vc, r2t, holes=page > 1)
             seq_lens.copy_(torch.tensor([min(n, s + 1 + trial * 7) for n, s in zip(lens, n_sel)]))
             q.normal_()
             out.fill_(float("nan"))
