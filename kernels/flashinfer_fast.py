@@ -147,12 +147,12 @@ def build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start
         ref_build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start, n_sinks,
                         sel_pos, sel_count, indptr, pages, qrows, C, holes)
         return
-    G = Hq // H
+    G, R = Hq // H, C + int(holes)
     grid = (B, H, max(1, triton.cdiv(max_len, BLOCK_PAGES)))
     _lists_kernel[grid](q, qrows, req_to_token, req_pool_indices, L, start, win_start, n_sinks,
                         sel_pos, sel_count, indptr, pages, B, q.stride(0), q.stride(1),
                         req_to_token.stride(0), sel_pos.stride(0), sel_pos.stride(1), H=H, G=G,
-                        GP=next_pow2(G), D=D, C=C, R=C + int(holes), CP=next_pow2(C + int(holes)), BLOCK=BLOCK_PAGES,
+                        GP=next_pow2(G), D=D, C=C, R=R, CP=next_pow2(R), BLOCK=BLOCK_PAGES,
                         HOLES=bool(holes), K=sel_pos.shape[2])
 
 

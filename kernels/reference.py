@@ -154,12 +154,12 @@ def ref_build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_s
         for h in range(H):
             sel = sel_pos[pool, h, :c].long()
             sel = sel[sel >= 0] if holes else sel
+            used = length - (c - sel.numel())  # the list's entries; the region's rest is unread
             pos = torch.cat([torch.arange(ns, device=pages.device), sel,
-                             torch.arange(ws, max(n, ws), device=pages.device)])[:length - (c - sel.numel())]
-            pos = torch.cat([pos, pos.new_zeros(length - pos.numel())])  # the region's unread rest
+                             torch.arange(ws, max(n, ws), device=pages.device)])[:used]
+            pos = torch.cat([pos, pos.new_zeros(length - pos.numel())])
             base = int(start[b]) + h * length
             pages[base: base + length] = (req_to_token[pool, pos].long() * H + h).to(pages.dtype)
-            used = length - (c - sel.numel())
             for r in range(R):
                 row = (b * H + h) * R + r
                 indptr[row] = base + r * used // C
