@@ -331,6 +331,9 @@ class Setup:
     def __init__(self, model: DummyModel, cfg: SFIConfig, n: int, batch: int, steps: int, device, dtype,
                  packed: Optional[bool] = None):
         s = model.s
+        # every row may be slow at once: the harness's requests run in lockstep, and its
+        # slow parts time the whole batch slow (the server limits a step's slow rows)
+        cfg = cfg.replace(max_slow_rows=0)
         self.model, self.n, self.B, self.steps = model, n, batch, steps
         cap = n + steps + 8
         self.cap = cap
@@ -520,7 +523,7 @@ class Runner:
         fb = st.fb
         live = (fb.seq_lens, fb.positions, fb.out_cache_loc, fb.input_ids)
         state = (be.step.steps, be.step.slow_n, be.step.slow_log, be.step.has_sel, be.memory.counts,
-                 be.policy.since, be.policy.pending)
+                 be.policy.since, be.policy.pending, be.policy.deferred)
         saved = [t.clone() for t in live + state]
 
         def step():

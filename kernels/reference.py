@@ -87,9 +87,10 @@ def ref_fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_len
 
 def ref_dense_decode_with_scores(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                                  sm_scale, scores_out=None, out=None, compute_dtype=torch.float64,
-                                 n_max=None, **_ignored):
+                                 n_max=None, score_rows=None, **_ignored):
     """Dense attention over [0, seq_len) + raw logits q.k*sm_scale ([B,H_q,N_max], -inf past
-    seq_len). Returns (out, scores)."""
+    seq_len). Returns (out, scores). score_rows [B] (needs scores_out): row b's logits go to
+    scores_out[score_rows[b]], none where -1; the other rows of scores_out are untouched."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
@@ -110,6 +111,11 @@ def ref_dense_decode_with_scores(q, k_cache, v_cache, req_to_token, req_pool_ind
         vals = v_cache[slots].to(cd).transpose(0, 1)
         res[b], logits = _attend(q[b].to(cd), keys, vals, sm_scale, G)
         scores[b, :, :n] = logits
+    if score_rows is not None:
+        for b, r in enumerate(score_rows.tolist()):
+            if r >= 0:
+                scores_out[r] = scores[b].to(scores_out.dtype)
+        return _finish(res, out), scores_out
     return _finish(res, out), _finish(scores, scores_out)
 
 

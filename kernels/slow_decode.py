@@ -3,7 +3,9 @@ that also writes the raw scaled logits q.k*sm_scale of every position (the Selec
 evidence) in the same pass over KV.
 
 scores [B, H_q, N_max] float32: positions < seq_len hold the logits, positions in
-[seq_len, N_max) are written as -inf by the same launch (no separate fill pass).
+[seq_len, N_max) are written as -inf by the same launch (no separate fill pass). With
+score_rows [B] int32, row b's logits go to scores[score_rows[b]] and rows at -1 write none
+(a decode step's few slow rows among its dense rows: scores has only their rows).
 Extra bytes: scores write = G*4 bytes per (token, KV head) against 2*D*elt bytes of K+V
 read, i.e. 16 vs 512 bytes (3.1%) at G=4, D=128, bf16.
 """
@@ -21,14 +23,14 @@ MAX_SPLITS = 128
 @triton.jit
 def _dense_scores_kernel(
     Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, qk_scale_log2,
-    Out, Mid_o, Mid_lse, Scores,
+    Out, Mid_o, Mid_lse, Scores, Score_rows,
     stride_qb, stride_qh,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     stride_rt,
     stride_ob, stride_oh,
     stride_sb, stride_sh, N_max,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WRITE_SCORES: tl.constexpr,
+    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WRITE_SCORES: tl.constexpr, ROW_MAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -56,7 +58,12 @@ def _dense_scores_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
 
     rt_base = Req_to_token + pool * stride_rt
-    sc_base = Scores + b * stride_sb + hq[:, None] * stride_sh
+    if ROW_MAP:
+        srow = tl.load(Score_rows + b).to(tl.int64)
+    else:
+        srow = b.to(tl.int64)
+    mask_s = mask_g & (srow >= 0)  # the heads whose logits this program writes
+    sc_base = Scores + tl.maximum(srow, 0) * stride_sb + hq[:, None] * stride_sh
     inv_log2e = 1.0 / 1.4426950408889634
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + offs_nb
@@ -70,7 +77,7 @@ def _dense_scores_kernel(
         m_i, l_i, acc, qk = _online_update(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, IEEE)
         if WRITE_SCORES:
             tl.store(sc_base + offs_n[None, :], qk * inv_log2e,
-                     mask=mask_g[:, None] & mask_n[None, :])
+                     mask=mask_s[:, None] & mask_n[None, :])
 
     if WRITE_SCORES:
         # Tail [seq_len, N_max) -> -inf, split evenly over the num_splits programs.
@@ -82,14 +89,15 @@ def _dense_scores_kernel(
         for n0 in range(t_lo, t_hi, BLOCK_N):
             offs_n = n0 + offs_nb
             tl.store(sc_base + offs_n[None, :], neg,
-                     mask=mask_g[:, None] & (offs_n < t_hi)[None, :])
+                     mask=mask_s[:, None] & (offs_n < t_hi)[None, :])
 
     _write_result(Out, Mid_o, Mid_lse, b, s, hq, mask_g, offs_d, mask_d, m_i, l_i, acc,
                   stride_ob, stride_oh, n_kv * G, num_splits, D)
 
 
 def _dense_launch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
-                  out, scores, write_scores, num_splits, max_len, block_n, num_warps, num_stages):
+                  out, scores, write_scores, num_splits, max_len, block_n, num_warps, num_stages,
+                  score_rows=None):
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
@@ -108,7 +116,7 @@ def _dense_launch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
     grid = (B, Hkv, num_splits)
     _dense_scores_kernel[grid](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, float(sm_scale) * LOG2E,
-        out, mid_o, mid_lse, sc,
+        out, mid_o, mid_lse, sc, score_rows if score_rows is not None else seq_lens,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0),
@@ -116,7 +124,7 @@ def _dense_launch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
         sc.stride(0) if write_scores else 0, sc.stride(1) if write_scores else 0,
         scores.shape[2] if write_scores else 0,
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-        IEEE=ieee, WRITE_SCORES=write_scores,
+        IEEE=ieee, WRITE_SCORES=write_scores, ROW_MAP=score_rows is not None,
         num_warps=num_warps or 4, num_stages=num_stages or 2,
     )
     if num_splits > 1:
@@ -126,15 +134,17 @@ def _dense_launch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
 
 def dense_decode_with_scores(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                              sm_scale, scores_out=None, out=None, num_splits=None, max_len=None,
-                             block_n=None, num_warps=None, num_stages=None):
+                             block_n=None, num_warps=None, num_stages=None, score_rows=None):
     """Dense decode attention + raw scaled logits. Returns (out [B,H_q,D], scores
     [B,H_q,N_max] float32). N_max = scores_out.shape[2] if given, else max_len if given,
-    else max(seq_lens) (a host sync; slow steps run eagerly)."""
+    else max(seq_lens) (a host sync; slow steps run eagerly). score_rows [B] int32
+    (needs scores_out): row b's logits at scores_out[score_rows[b]], none where -1."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     assert Hq % Hkv == 0
     if out is None:
         out = torch.empty_like(q)
+    assert score_rows is None or scores_out is not None, "score_rows needs scores_out"
     if scores_out is None:
         n_max = max_len if max_len is not None else (int(seq_lens.max()) if B > 0 else 0)
         scores_out = torch.empty((B, Hq, n_max), dtype=torch.float32, device=q.device)
@@ -144,11 +154,12 @@ def dense_decode_with_scores(q, k_cache, v_cache, req_to_token, req_pool_indices
     if not use_triton(q):
         from .reference import ref_dense_decode_with_scores
         return ref_dense_decode_with_scores(q, k_cache, v_cache, req_to_token, req_pool_indices,
-                                            seq_lens, sm_scale, scores_out=scores_out, out=out)
+                                            seq_lens, sm_scale, scores_out=scores_out, out=out,
+                                            score_rows=score_rows)
     if max_len is None:
         max_len = scores_out.shape[2]
     _dense_launch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
-                  out, scores_out, True, num_splits, max_len, block_n, num_warps, num_stages)
+                  out, scores_out, True, num_splits, max_len, block_n, num_warps, num_stages, score_rows)
     return out, scores_out
 
 

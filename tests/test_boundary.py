@@ -267,6 +267,58 @@ def test_batched_matches_reference(seed):
     assert sum(map(sum, got)) > 5
 
 
+def reference_limited(seqs, cfg, limit, limited):
+    """The batched policy with at most `limit` slow rows per step among the rows
+    `limited`, written from the TriggerPolicy docstring: a wanted slow step beyond the
+    limit (later rows in batch order) is put off to the row's next step, where it is slow
+    whatever the token; the other rows decide as without a limit."""
+    n = len(seqs)
+    d, pending, deferred = [0] * n, [False] * n, [False] * n
+    out = [[] for _ in range(n)]
+    for t in range(len(seqs[0])):
+        wanted = []
+        for i in range(n):
+            d[i] += 1
+            c = seqs[i][t] == W
+            slow = (pending[i] and c and d[i] >= cfg.min_gap) or d[i] >= cfg.max_interval
+            wanted.append(slow or deferred[i])
+        taken = 0
+        for i in range(n):
+            kept = wanted[i] and (taken < limit or not limited[i])
+            taken += kept and limited[i]
+            deferred[i] = wanted[i] and not kept
+            if kept:
+                d[i], pending[i] = 0, False
+            elif seqs[i][t] == DOT and d[i] > cfg.cooldown:
+                pending[i] = True
+            out[i].append(int(kept))
+    return out
+
+
+@pytest.mark.parametrize("seed,limit", [(0, 1), (1, 2), (2, 3)])
+def test_limit_defers_slow_rows_to_their_next_step(seed, limit):
+    rng = random.Random(seed)
+    cfg = cfg_(min_gap=rng.randint(1, 4), cooldown=rng.randint(0, 2), max_interval=rng.randint(4, 8))
+    n_slots, T = 6, 80
+    seqs = [[rng.choice([W, W, DOT, SP]) for _ in range(T)] for _ in range(n_slots)]
+    limited = [True, True, False, True, True, True]     # row 2 runs otherwise (SFI off)
+    pol = TriggerPolicy(IS_B, IS_C, max_slots=8, cfg=cfg)
+    slots = torch.tensor([5, 0, 7, 2, 3, 1])
+    pol.reset(slots)
+    got = [[] for _ in range(n_slots)]
+    for t in range(T):
+        toks = torch.tensor([seqs[i][t] for i in range(n_slots)])
+        slow = pol.step(toks, slots, limit=limit, limited=torch.tensor(limited))
+        assert int((slow & torch.tensor(limited)).sum()) <= limit
+        for i, v in enumerate(slow.tolist()):
+            got[i].append(int(v))
+    assert got == reference_limited(seqs, cfg, limit, limited)
+    assert got != reference_limited(seqs, cfg, n_slots, limited), "the limit never bound"
+    assert got[2] == reference_policy([seqs[2]], cfg)[0]  # as without a limit
+    pol.reset(slots)
+    assert not pol.deferred.any()
+
+
 def test_slots_are_independent_and_per_request_cfg():
     pol = TriggerPolicy(IS_B, IS_C, max_slots=4, cfg=cfg_())
     pol.reset(torch.tensor([1]))

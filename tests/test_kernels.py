@@ -297,6 +297,35 @@ def test_dense_decode_with_scores(G, D, splits, block_n, seq_lens, extra):
     assert rel_err(sc[fin], ref_sc[fin]) < TOL[torch.float32]
 
 
+def test_dense_decode_with_scores_into_score_rows():
+    """A decode step's dense pass writes only its slow rows' logits, each to its score row
+    (StepPlan's score_row): rows at -1 attend but write no logits, and score rows no batch
+    row maps to are left as they were."""
+    G, D, Hkv = 2, 32, 2
+    seq_lens = [120, 40, 200, 75]
+    st = make_state(len(seq_lens), Hkv, G, D, 8, seq_lens)
+    args = (st["q"], st["k_cache"], st["v_cache"], st["req_to_token"], st["req_pool_indices"],
+            st["seq_lens"], D ** -0.5)
+    n_max = max(seq_lens) + 9
+    rows = torch.tensor([-1, 1, -1, 0], dtype=torch.int32, device=DEV)  # 2 slow rows of 4
+    ref_out, ref_sc = K.ref_dense_decode_with_scores(*args, n_max=n_max)
+    for split in (1, 3):
+        scores = torch.full((3, Hkv * G, n_max), float("nan"), device=DEV)  # row 2: no batch row
+        out = torch.empty_like(st["q"])
+        o, sc = K.dense_decode_with_scores(*args, scores_out=scores, out=out, num_splits=split,
+                                           block_n=16, score_rows=rows)
+        assert sc.data_ptr() == scores.data_ptr()
+        assert rel_err(o, ref_out) < TOL[torch.float32]  # every row attends
+        for b, r in ((3, 0), (1, 1)):
+            fin = torch.isfinite(ref_sc[b])
+            assert torch.equal(torch.isfinite(sc[r]).cpu(), fin.cpu())
+            assert rel_err(sc[r][fin], ref_sc[b][fin]) < TOL[torch.float32]
+        assert torch.isnan(sc[2]).all(), "a score row no batch row maps to was written"
+    ro, rsc = K.ref_dense_decode_with_scores(*args, scores_out=torch.zeros(2, Hkv * G, n_max, device=DEV),
+                                             score_rows=rows)
+    assert torch.equal(rsc[0], ref_sc[3].float()) and torch.equal(rsc[1], ref_sc[1].float())
+
+
 def test_dense_decode_with_scores_allocates():
     G, D, Hkv = 4, 32, 2
     seq_lens = [90, 45]

@@ -314,8 +314,8 @@ def test_kv_budget_sets_aside_sparse_memory_and_key_norms():
 
 def test_score_buffers_are_made_once_and_set_aside_from_the_kv_budget(monkeypatch):
     """The slow pass's score buffers (step.ScoreBuffers) are allocated at the backend's start,
-    one row per request slot, and SGLang's KV budget shrinks by exactly their bytes
-    (hooks._reserve_sfi_memory passes reserve_bytes to kv_budget)."""
+    one row per score row of a step (step.score_rows), and SGLang's KV budget shrinks by
+    exactly their bytes (hooks._reserve_sfi_memory passes reserve_bytes to kv_budget)."""
     from sfi_sglang.method import step
     from sfi_sglang.method.memory import kv_budget
     from sfi_sglang.method.step import ScoreBuffers
@@ -325,7 +325,7 @@ def test_score_buffers_are_made_once_and_set_aside_from_the_kv_budget(monkeypatc
     one, per_row = 4 * rows * hq * width, 4 * sparse * hq * width
     assert sb.bytes() == one + rows * per_row == ScoreBuffers.reserve_bytes(rows, sparse, hq, width, True)
     assert sb.layer(rows, None).data_ptr() == sb.layer(2, None).data_ptr()  # never replaced
-    with pytest.raises(RuntimeError, match="request slots"):
+    with pytest.raises(RuntimeError, match="score rows"):
         sb.layer(rows + 1, None)
     assert sb.step(rows).shape == (sparse, rows, hq, width) and sb.step(rows + 1) is None
     # the batched Selector's buffer holds as many rows as SELECT_BATCH_BYTES allows
@@ -334,9 +334,12 @@ def test_score_buffers_are_made_once_and_set_aside_from_the_kv_budget(monkeypatc
     assert ScoreBuffers.reserve_bytes(rows, sparse, hq, width, False) == one
     assert ScoreBuffers("cpu", False, rows, sparse, hq, width, True).bytes() == 0  # the torch reference
     monkeypatch.undo()
-    # Qwen3-4B at a 128K context, 64 slots: ~1 GiB, the batched buffer does not fit 512 MiB
-    big = ScoreBuffers.reserve_bytes(65, 34, 32, 131072 + 4, True)
+    # Qwen3-4B at a 128K context: 64 slots without a limit on slow rows ~1 GiB (the
+    # batched buffer does not fit 512 MiB); with the default limit of 8, 8 rows whatever
+    # the slots
+    big = ScoreBuffers.reserve_bytes(step.score_rows(65, 0), 34, 32, 131072 + 4, True)
     assert big == 65 * 32 * (131072 + 4) * 4
+    assert step.score_rows(65, SFIConfig().max_slow_rows) == 8 and step.score_rows(3, 8) == 3
     L, H, D, slots = 4, 2, 16, 3
     kv_cell, norm_cell = 2 * L * H * D * 2, L * H * 4
     mem = (slots + 1) * SparseMemory.slot_bytes(L, H, D, CFG, torch.bfloat16, True)
@@ -344,6 +347,39 @@ def test_score_buffers_are_made_once_and_set_aside_from_the_kv_budget(monkeypatc
     avail = mem + scores + 1000 * (kv_cell + norm_cell)
     assert kv_budget(avail, L, H, D, CFG, torch.bfloat16, True, slots, scores) == 1000 * kv_cell
     assert kv_budget(avail, L, H, D, CFG, torch.bfloat16, True, slots) == (avail - mem) * kv_cell // (kv_cell + norm_cell)
+
+
+def test_step_plan_limits_slow_rows_and_maps_them_to_score_rows():
+    """StepPlan.begin: at most max_slow rows are slow (the first in batch order; SFI-off
+    rows and the padding slot never), each with its score row; the score rows carry the
+    slow rows' slots and lengths, and the rest select nothing (padding slot, length 0).
+    A row put off is slow at its next step."""
+    from sfi_sglang.method.boundary import TriggerPolicy
+    from sfi_sglang.method.step import StepPlan
+
+    cfg = SFIConfig(max_slow_rows=2)
+    L, slots_n = 3, 8
+    pol = TriggerPolicy(torch.zeros(4, dtype=torch.bool), torch.ones(4, dtype=torch.bool), slots_n, cfg)
+    plan = StepPlan(pol, slots_n, L, "cpu", max_slow=cfg.max_slow_rows)
+    slots = torch.tensor([3, 0, 5, 6, 2])  # batch row 1: SGLang's padding slot
+    for s, off in ((3, False), (5, True), (6, False), (2, False)):
+        plan.start(s, sfi=not off, dense_layers=(0,) if s == 6 else ())
+        pol.reset(torch.tensor([s]), cfg)
+    lens = torch.tensor([40, 1, 50, 60, 70])
+    ids = torch.zeros(5, dtype=torch.int64)
+    rows = plan.begin(ids, slots, lens)  # no selection yet: every SFI row wants a slow step
+    assert rows.slow.tolist() == [True, False, False, True, False]  # row 4 put off
+    assert rows.score_row.tolist() == [0, -1, -1, 1, -1]
+    assert rows.sel_slots.tolist() == [3, 6] and rows.sel_lens.tolist() == [40, 60]
+    assert rows.sel_l.tolist() == [[True, False], [True, True], [True, True]]  # slot 6: layer 0 dense
+    assert rows.need_l[:, 2].all()  # the SFI-off row runs every layer's dense pass, without scores
+    rows = plan.begin(ids, slots, lens + 1)  # the put-off row now; the others hold selections
+    assert rows.slow.tolist() == [False, False, False, False, True]
+    assert rows.score_row.tolist() == [-1, -1, -1, -1, 0]
+    assert rows.sel_slots.tolist() == [2, 0] and rows.sel_lens.tolist() == [71, 0]
+    assert not rows.sel_l[:, 1].any()
+    unlimited = StepPlan(pol, slots_n, L, "cpu").begin(ids, slots, lens)
+    assert unlimited.sel_slots.shape == (5,)  # one score row per batch row
 
 
 # ------------------------------------------------------------------ kernel path == reference

@@ -51,7 +51,7 @@ from sfi_sglang.method.config import server_config
 from sfi_sglang.method.memory import NO_WINDOW, SparseMemory
 from sfi_sglang.method.options import EXTRA_IDS_KEY
 from sfi_sglang.method.selector import KeyNorms, Selection
-from sfi_sglang.method.step import ScoreBuffers, StepMetadata, StepPlan, dense_step
+from sfi_sglang.method.step import ScoreBuffers, StepMetadata, StepPlan, dense_step, score_rows
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -96,7 +96,7 @@ class SFIAttnBackend(AttentionBackend):
         self.memory.fast_ws[0] = NO_WINDOW  # slot 0: SGLang's padding rows
         self.norms = KeyNorms(self.num_layers, k0.shape[0], k0.shape[1], k0.device)
         self.policy = _trigger_policy(model_runner, cfg, max_slots, self.device)
-        self.step = StepPlan(self.policy, max_slots, self.num_layers, self.device)
+        self.step = StepPlan(self.policy, max_slots, self.num_layers, self.device, cfg.max_slow_rows)
         self.sparse_ids = cfg.sparse_layers(self.num_layers)
         self._sparse_index = {lid: i for i, lid in enumerate(self.sparse_ids)}
         self.selection = Selection(cfg, self.memory, self.norms, self._kv, r2t, self.sparse_ids)
@@ -104,7 +104,8 @@ class SFIAttnBackend(AttentionBackend):
                                        k0.device, on=cfg.refresh == "adaptive")
         self.host = HostPath(self.memory, self.policy, self.step, self.selection, self.monitor)
         self.slots = Slots(cfg, self.memory, self.step, self.policy, self._kv, r2t, self.num_layers)
-        self.scores = ScoreBuffers(k0.device, self.memory.packed, max_slots, len(self.sparse_ids),
+        self.scores = ScoreBuffers(k0.device, self.memory.packed, score_rows(max_slots, cfg.max_slow_rows),
+                                   len(self.sparse_ids),
                                    self.num_q_heads, r2t.shape[1], batched=cfg.method == "sfi")
         self.meta = StepMetadata()
         self._sync_guard = os.environ.get(graph_if.SYNC_GUARD_ENV) == "1"
@@ -258,7 +259,7 @@ class SFIAttnBackend(AttentionBackend):
             force_dense = torch.zeros(slots.shape[0], dtype=torch.bool)
             force_dense[[i for i, _, _ in meta.host_rows]] = True
             force_dense = force_dense.to(slots.device)
-        rows = meta.rows = self.step.begin(forward_batch.input_ids, slots, force_dense)
+        rows = meta.rows = self.step.begin(forward_batch.input_ids, slots, forward_batch.seq_lens, force_dense)
         fast, over = rows.on & ~rows.slow, None
         if self.memory.fast_path == "flashinfer":
             self.memory.plan_fast(slots.shape[0], self.scaling)  # host, eager steps: once per size
@@ -274,7 +275,7 @@ class SFIAttnBackend(AttentionBackend):
         self.memory.count_steps(slots, fast, rows.slow, over)
         meta.win_start = self.memory.step_window_start(slots)
         batched = self.selection.side_stream is None
-        meta.layer_scores = self.scores.step(slots.shape[0]) if batched else None
+        meta.layer_scores = self.scores.step(rows.sel_slots.shape[0]) if batched else None
 
     # ------------------------------------------------------------------ forward
     def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
@@ -337,7 +338,7 @@ class SFIAttnBackend(AttentionBackend):
         kc, vc = self._kv(lid)
         r2t = self.req_to_token_pool.req_to_token
         slots, seq_lens = forward_batch.req_pool_indices, forward_batch.seq_lens
-        need, slow_rows, batched = rows.need_l[lid], rows.slow_l[lid], meta.layer_scores
+        need, batched = rows.need_l[lid], meta.layer_scores
         fast_lens = seq_lens
         if meta.host_only is not None:  # length 0: the reference skips them
             fast_lens = torch.where(meta.host_only[lid], torch.zeros_like(seq_lens), seq_lens)
@@ -347,18 +348,21 @@ class SFIAttnBackend(AttentionBackend):
                             lse_out=self.monitor.out(lid, q.shape[0]))
 
         def dense_pass():
-            # rows that are not slow or dense read nothing (length 0); their output stays fast
+            # rows that are not slow or dense read nothing (length 0); their output stays
+            # fast. Slow rows write their logits to their score rows (rows.score_row)
             lens = torch.where(need, seq_lens, torch.zeros_like(seq_lens))
             out = (batched[self._sparse_index[lid]] if batched is not None
-                   else self.scores.layer(q.shape[0], meta.ref_len))
-            od, scores = mem.attend_slow(lid, q, kc, vc, r2t, slots, lens, scale, scores_out=out)
+                   else self.scores.layer(rows.sel_slots.shape[0], meta.ref_len))
+            od, scores = mem.attend_slow(lid, q, kc, vc, r2t, slots, lens, scale, scores_out=out,
+                                         score_rows=rows.score_row)
             o.copy_(torch.where(need[:, None, None], od, o))
             if batched is None:
-                self.selection.layer_maybe_async(lid, slots, slow_rows, scores, seq_lens)
+                self.selection.layer_maybe_async(lid, rows.sel_slots, rows.sel_l[lid], scores, rows.sel_lens)
 
         graph_if.run_if(rows.need[lid], dense_pass)
         if batched is not None and lid == self.sparse_ids[-1]:
-            graph_if.run_if(rows.any_slow, lambda: self.selection.layers(slots, rows.slow_l, batched, seq_lens))
+            graph_if.run_if(rows.any_slow, lambda: self.selection.layers(rows.sel_slots, rows.sel_l, batched,
+                                                                         rows.sel_lens))
         return o
 
 

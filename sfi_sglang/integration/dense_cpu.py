@@ -9,7 +9,9 @@ prefix by a few rows all the time (multi-turn chat; the eval's runs, each extend
 last rows of a shared prompt), and at 8K this was most of the eval's time: 0.8 s per layer
 against 0.02 s. Here such a request's new rows attend with an explicit causal mask
 (row i sees positions <= p + i): per row the same reduction over the same keys, so the
-same float32 bits (tests/test_engine.py compares the two on random pools); every other case (no prefix,
+same float32 results, to the last bit where torch's CPU kernel blocks the r rows as it
+blocks them among p + r (on AVX-512 a row of a short block can round differently;
+tests/test_engine.py compares the two on random pools); every other case (no prefix,
 sliding windows, encoder or cross attention) is SGLang's own code.
 """
 

@@ -157,7 +157,7 @@ def _reserve_sfi_memory(original, self, *args, **kwargs):
         return available
     from sfi_sglang.method.config import server_config
     from sfi_sglang.method.memory import kv_budget
-    from sfi_sglang.method.step import ScoreBuffers
+    from sfi_sglang.method.step import ScoreBuffers, score_rows
 
     cfg = server_config()
     mc = self.model_config
@@ -167,11 +167,12 @@ def _reserve_sfi_memory(original, self, *args, **kwargs):
     packed = str(self.device).startswith("cuda")
     num_layers = mc.num_hidden_layers
     scores = 0
-    if packed:  # the backend's ScoreBuffers: one row per request slot, req_to_token's width
+    if packed:  # the backend's ScoreBuffers: a step's score rows, req_to_token's width
         from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
 
         width = mc.context_len + get_req_to_token_extra_context_len()
-        scores = ScoreBuffers.reserve_bytes(slots + 1, len(cfg.sparse_layers(num_layers)),
+        scores = ScoreBuffers.reserve_bytes(score_rows(slots + 1, cfg.max_slow_rows),
+                                            len(cfg.sparse_layers(num_layers)),
                                             max(1, mc.num_attention_heads // sa.tp_size),
                                             width, batched=cfg.method == "sfi")
     kv_heads = mc.get_num_kv_heads(sa.tp_size)

@@ -75,7 +75,8 @@ class NodeMemory:
 # it against hi) and the fast kernel
 _NOT_SELECTION = frozenset({"window", "min_gap", "cooldown", "max_interval", "refresh",
                             "adaptive_threshold", "boundaries", "fast_path", "topup_pages",
-                            "topup_every", "dense_backend", "dense_below"})
+                            "topup_every", "dense_backend", "dense_below",
+                            "max_slow_rows"})
 
 
 def compat_key(cfg: SFIConfig) -> tuple:

@@ -161,6 +161,8 @@ class TriggerPolicy:
         i32 = dict(dtype=torch.int32, device=device)
         self.since = torch.zeros(max_slots, **i32)
         self.pending = torch.zeros(max_slots, dtype=torch.bool, device=device)
+        # a slow step the step's row limit put off (`step`): slow at the slot's next step
+        self.deferred = torch.zeros(max_slots, dtype=torch.bool, device=device)
         self.min_gap = torch.full((max_slots,), cfg.min_gap, **i32)
         self.cooldown = torch.full((max_slots,), cfg.cooldown, **i32)
         self.max_interval = torch.full((max_slots,), cfg.max_interval, **i32)
@@ -210,6 +212,7 @@ class TriggerPolicy:
         slots = torch.as_tensor(slots, dtype=torch.int64, device=self.since.device)
         self.since[slots] = 0
         self.pending[slots] = False
+        self.deferred[slots] = False
         self.min_gap[slots] = cfg.min_gap
         self.cooldown[slots] = cfg.cooldown
         self.max_interval[slots] = cfg.max_interval
@@ -244,10 +247,15 @@ class TriggerPolicy:
         self.ref_ok[slots] = fast
 
     def step(self, last_token_ids: torch.Tensor, slots: torch.Tensor,
-             force: torch.Tensor | None = None) -> torch.Tensor:
+             force: torch.Tensor | None = None, limit: int | None = None,
+             limited: torch.Tensor | None = None) -> torch.Tensor:
         """slow [B] bool for the decode step whose input tokens are last_token_ids [B]
         in request slots [B] (distinct); updates the slots' state. Token ids outside
-        the tables (e.g. -1 padding) are neither boundary nor content."""
+        the tables (e.g. -1 padding) are neither boundary nor content. limit: at most this
+        many of the rows `limited` [B] bool (default all) are slow, the first in batch
+        order; a row beyond them is deferred: fast now, slow at its next step (its distance
+        and pending boundary carry on meanwhile). The other rows decide as without a limit
+        (the caller runs them otherwise: SFI off, or on the host path, which reads `since`)."""
         slots = slots.to(torch.int64)
         ids = last_token_ids.to(torch.int64)
         in_vocab = (ids >= 0) & (ids < self.vocab)
@@ -266,6 +274,14 @@ class TriggerPolicy:
             slow = slow | drift
         if force is not None:
             slow = slow | force.to(torch.bool)
+        slow = slow | self.deferred[slots]
+        if limit is not None and limit < slow.shape[0]:
+            wanted = slow if limited is None else slow & limited.to(torch.bool)
+            kept = wanted & (torch.cumsum(wanted.to(torch.int32), 0) <= limit)
+            self.deferred[slots] = wanted & ~kept
+            slow = kept if limited is None else torch.where(limited.to(torch.bool), kept, slow)
+        else:
+            self.deferred[slots] = False
 
         take = is_b & (d > self.cooldown[slots])
         self.since[slots] = torch.where(slow, torch.zeros_like(d), d)

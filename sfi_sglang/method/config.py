@@ -131,6 +131,12 @@ class SFIConfig:
     # small batches) it then costs what dense costs; a row's first sparse step after dense
     # ones is slow (a fresh selection). Server-wide; 0 = never (SFI at every step)
     dense_below: int = 0
+    # the most rows of a decode step that run a slow step (server-wide); a row beyond them
+    # runs that step fast and its slow step at the next. The slow pass's score buffers and
+    # the Selector's work are sized by it rather than by the request slots: on the kernel
+    # path a score row is H_q x context-length float32 (5.2 MB for Qwen3-4B at 40K).
+    # 0 = every row may be slow in the same step (score rows for every request slot)
+    max_slow_rows: int = 8
 
     def __post_init__(self):
         # Normalise convenient input forms (CLI strings, JSON lists, ints for floats).
@@ -170,7 +176,8 @@ class SFIConfig:
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 bad(name, "a positive integer")
-        for name in ("sinks", "cooldown", "nms_radius", "pool_radius", "topup_pages", "dense_below"):
+        for name in ("sinks", "cooldown", "nms_radius", "pool_radius", "topup_pages", "dense_below",
+                     "max_slow_rows"):
             v = getattr(self, name)
             if not is_int(v) or v < 0:
                 bad(name, "a non-negative integer")

@@ -468,24 +468,32 @@ class SparseMemory:
     def attend_slow(self, layer_id: int, q: torch.Tensor, k_cache, v_cache, req_to_token,
                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                     out: Optional[torch.Tensor] = None, scores_out: Optional[torch.Tensor] = None,
-                    max_len: Optional[int] = None):
+                    max_len: Optional[int] = None, score_rows: Optional[torch.Tensor] = None):
         """Dense attention + raw logits: (out [b, H_q, D] q.dtype, scores [b, H_q, N_max]
         float32, -inf at positions >= seq_len). N_max = scores_out.shape[2], else max_len,
-        else max(seq_lens) (host sync). Packed: kernels.dense_decode_with_scores; else the
+        else max(seq_lens) (host sync). score_rows [b] int32, optional: row i's logits go
+        to scores_out[score_rows[i]], none where it is -1 (a step's slow rows among its
+        dense ones: StepPlan's score rows). Packed: kernels.dense_decode_with_scores; else the
         logits and the output from the torch reference in float32 (kernels.reference), in the
         torch_native layout (bit-identical to SGLang's dense decode on the CPU)."""
         rpi = req_pool_indices.to(self.device).long()
         if self.packed:
             return self._k.dense_decode_with_scores(q, k_cache, v_cache, req_to_token, rpi,
                                                     seq_lens, sm_scale, scores_out=scores_out,
-                                                    out=out, max_len=max_len)
+                                                    out=out, max_len=max_len, score_rows=score_rows)
         if out is None:
             out = torch.empty_like(q)
         n = scores_out.shape[2] if scores_out is not None else self._ref_len(seq_lens, max_len)
-        if scores_out is None:
-            scores_out = torch.empty((q.shape[0], q.shape[1], n), dtype=torch.float32, device=q.device)
+        logits = scores_out if scores_out is not None and score_rows is None else None
+        if logits is None:
+            logits = torch.empty((q.shape[0], q.shape[1], n), dtype=torch.float32, device=q.device)
         self._attend_masked_ref(q, k_cache, v_cache, req_to_token, rpi, self._dense_mask(seq_lens, n),
-                                sm_scale, out, logits_out=scores_out)
+                                sm_scale, out, logits_out=logits)
+        if score_rows is None:
+            return out, logits
+        assert scores_out is not None, "score_rows needs scores_out"
+        kept = score_rows >= 0
+        scores_out[score_rows[kept].long()] = logits[kept]
         return out, scores_out
 
 

@@ -437,8 +437,10 @@ class Selection:
 
     def layer(self, lid: int, slots, slow_rows, scores, seq_lens, cfg: Optional[SFIConfig] = None) -> None:
         """One layer's rows `slow_rows` [B] select from their dense logits scores [B, H_q, N]
-        (other rows: no candidates, memory unchanged); `cfg` default the server's. No host
-        sync, no host-made tensor: CUDA-graph capturable (snapkv aside)."""
+        (other rows: no candidates, memory unchanged); `cfg` default the server's. A decode
+        step passes its score rows (StepPlan: slots, slow rows and lengths of rows whose
+        logits `scores` holds). No host sync, no host-made tensor: CUDA-graph capturable
+        (snapkv aside)."""
         cfg = cfg or self.cfg
         b, hq, n = scores.shape
         hkv = self.memory.num_kv_heads
@@ -469,7 +471,8 @@ class Selection:
         """The step's end: the Selector for every sparse layer at once, over their scores
         [L_sparse, B, H_q, N] (rows = layers x requests; the key norms of each layer through
         its offset into the flat norms), then each layer's store of its slow rows slow_l
-        [L, B]. A layer's selection is first read by the next step's fast kernel, and a slow
+        [L, B] (B: the step's score rows, StepPlan). A layer's selection is first read by
+        the next step's fast kernel, and a slow
         row's output at this step is its dense pass's: the same result as selecting layer by
         layer. No host sync."""
         ls, b, hq, n = scores.shape

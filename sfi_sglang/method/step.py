@@ -19,6 +19,12 @@ replay decides afresh. It leaves per-row tensors for the layers:
     need      [L]     some row of the batch needs the dense pass at layer l (a slow or a
                       dense row): the predicate of that layer's conditional graph node
     need_l, slow_l [L, B]  per layer: the rows of its dense pass, and those that select
+At most `max_slow` rows of a step are slow (SFIConfig.max_slow_rows; the others are put
+off to their next step by the trigger policy), so the slow pass's logits and the Selector
+take R = min(B, max_slow) rows, the step's slow rows in batch order (`score_row`), not B:
+    score_row [B]     the row's row of the step's score buffer, -1: none (not slow)
+    sel_slots, sel_lens [R]  slot and context length of each score row (0: no slow row)
+    sel_l     [L, R]  the score rows that select at layer l
 Host bookkeeping (slow_at, step counts for meta_info) is read back by `read` when a
 request reports, not per step.
 
@@ -45,11 +51,16 @@ class Rows:
     need_l: torch.Tensor  # [L, B] bool: the row needs layer l's dense pass (slow or dense)
     slow_l: torch.Tensor  # [L, B] bool: the row selects at layer l (slow, layer not dense)
     any_slow: torch.Tensor  # [] bool: some row is slow (the step's end selects)
+    score_row: torch.Tensor  # [B] int32: the row's score row (rank among slow rows), -1: none
+    sel_slots: torch.Tensor  # [R] int64: each score row's slot (0, the padding slot: none)
+    sel_lens: torch.Tensor  # [R]: each score row's context length (0: none)
+    sel_l: torch.Tensor  # [L, R] bool: the score rows that select at layer l
 
 
 class StepPlan:
-    def __init__(self, policy, max_slots: int, num_layers: int, device):
+    def __init__(self, policy, max_slots: int, num_layers: int, device, max_slow: int = 0):
         self.policy = policy
+        self.max_slow = int(max_slow)  # 0: no limit
         dev = torch.device(device)
         self.sfi = torch.zeros(max_slots, dtype=torch.bool, device=dev)
         self.has_sel = torch.zeros(max_slots, dtype=torch.bool, device=dev)
@@ -111,16 +122,21 @@ class StepPlan:
         self.steps[slots] = self.steps[slots] + 1
         self.has_sel[slots] = self.has_sel[slots] & (slots == 0)  # padding slot 0 keeps its own
 
-    def begin(self, input_ids: torch.Tensor, slots: torch.Tensor, force_dense=None) -> Rows:
-        """Decide this step's rows from the input tokens (the tokens just sampled). No host
-        sync, static shapes: CUDA-graph capturable. force_dense [B] bool, optional: rows
-        the caller runs outside the device path (eager-only methods)."""
+    def begin(self, input_ids: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
+              force_dense=None) -> Rows:
+        """Decide this step's rows from the input tokens (the tokens just sampled) and
+        their context lengths. No host sync, static shapes: CUDA-graph capturable.
+        force_dense [B] bool, optional: rows the caller runs outside the device path
+        (eager-only methods)."""
         slots = slots.to(torch.int64)
+        B = slots.shape[0]
+        R = score_rows(B, self.max_slow)
         on = self.sfi[slots]
         if force_dense is not None:
             on = on & ~force_dense
-        slow = self.policy.step(input_ids, slots, force=on & ~self.has_sel[slots])
-        slow = slow & on & (slots != 0)
+        device = on & (slots != 0)  # the rows whose slow steps the limit counts
+        slow = self.policy.step(input_ids, slots, force=on & ~self.has_sel[slots], limit=R, limited=device)
+        slow = slow & device
         steps = self.steps[slots] + 1
         self.steps[slots] = steps
         n = self.slow_n[slots]
@@ -131,9 +147,27 @@ class StepPlan:
         self.has_sel[slots] = self.has_sel[slots] | slow
         dense = self.dense[slots] | ~on[:, None]
         need = dense | slow[:, None]
+        slow_l = (slow[:, None] & ~dense).t().contiguous()
+        # the score rows: slow rows in batch order (at most R of them, policy.step's limit);
+        # the rest of R hold the padding slot and select nothing
+        rank = torch.cumsum(slow.to(torch.int32), 0) - 1
+        score_row = torch.where(slow, rank, -1).to(torch.int32)
+        row_of = torch.zeros(R + 1, dtype=torch.int64, device=slots.device)
+        row_of.scatter_(0, torch.where(slow, rank.to(torch.int64), R), torch.arange(B, device=slots.device))
+        row_of = row_of[:R]
+        used = torch.arange(R, device=slots.device) < slow.sum()
+        sel_slots = torch.where(used, slots[row_of], 0)
+        sel_lens = torch.where(used, seq_lens[row_of], 0)
         # per-layer rows made once per step, so a layer indexes them (no launch per layer)
         return Rows(on=on, slow=slow, dense=dense, need=need.any(0), need_l=need.t().contiguous(),
-                         slow_l=(slow[:, None] & ~dense).t().contiguous(), any_slow=slow.any())
+                    slow_l=slow_l, any_slow=slow.any(), score_row=score_row, sel_slots=sel_slots,
+                    sel_lens=sel_lens, sel_l=slow_l[:, row_of] & used[None, :])
+
+
+def score_rows(batch: int, max_slow: int) -> int:
+    """R: the score rows of a decode step of `batch` rows, its most slow rows
+    (SFIConfig.max_slow_rows; 0: no limit)."""
+    return min(batch, max_slow) if max_slow > 0 else batch
 
 
 def dense_step(seq_lens_cpu: Optional[torch.Tensor], memory_tokens: int, below: int) -> bool:
@@ -176,8 +210,9 @@ class ScoreBuffers:
     """The slow pass's logits, float32 [rows, H_q, N], N = req_to_token's width (the torch
     reference: the step's longest context). On the kernel path (`packed`) both buffers are
     made once, at the backend's start, and never replaced (a CUDA graph holds no reference
-    to the tensors it writes): `rows` of them for one layer at a time (every decode batch,
-    captured or eager, has at most as many rows as request slots), and, for the batched
+    to the tensors it writes): `rows` of them for one layer at a time (a decode step's
+    score rows: its slow rows, at most SFIConfig.max_slow_rows, else at most one per
+    request slot; StepPlan.score_rows), and, for the batched
     Selector of a step's every sparse layer, as many rows as fit SELECT_BATCH_BYTES. SGLang's
     KV budget sets their bytes aside (`reserve_bytes`, hooks._reserve_sfi_memory), so a full
     pool under load cannot run the device out of memory at a slow step."""
@@ -210,8 +245,8 @@ class ScoreBuffers:
         if not self.packed:
             return torch.empty((rows, self.num_q_heads, ref_len), dtype=torch.float32, device=self.device)
         if rows > self.one.shape[0]:
-            raise RuntimeError(f"SFI: a decode step of {rows} rows, beyond the "
-                               f"{self.one.shape[0]} request slots its score buffer was made for")
+            raise RuntimeError(f"SFI: a decode step of {rows} score rows, beyond the "
+                               f"{self.one.shape[0]} its score buffer was made for")
         return self.one[:rows]
 
     def step(self, rows: int) -> Optional[torch.Tensor]:
