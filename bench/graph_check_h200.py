@@ -4,7 +4,8 @@ harness of bench/harness.py: the product's backend over SGLang-layout pools).
 Checks, each printed as one JSON line and collected in OUT/graph_check_h200.json:
   1. tokens equal with graphs on and off: the same requests decoded eagerly and through
      one CUDA graph of the whole step (StepPlan in the graph, the slow pass in a
-     conditional node), over a batch mixing fast, slow, dense-layer and SFI-off rows;
+     conditional node), over a batch mixing fast, slow, dense-layer and SFI-off rows,
+     with more rows due a slow step at once than --max-slow-rows lets run slow;
   2. no host sync inside a replayed step: torch.cuda.set_sync_debug_mode("error") around
      the host part (init_forward_metadata_out_graph) and the replay of 16 steps;
   3. the conditional node exists in this torch (CUDAGraph.begin_capture_to_if_node).
@@ -48,6 +49,9 @@ def main(argv=None) -> int:
     p.add_argument("--fast-path", choices=("triton", "triton-pool", "flashinfer"), default="triton",
                    help="the fast path checked (--sfi-fast-path); not triton: writes "
                         "graph_check_h200_<path>.json and also reports its tokens against triton's")
+    p.add_argument("--max-slow-rows", type=int, default=2,
+                   help="--sfi-max-slow-rows: below the batch's SFI rows (the requests run in lockstep), "
+                        "so some slow steps are put off a step, graphs on and off")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
 
@@ -90,10 +94,11 @@ def main(argv=None) -> int:
     print(json.dumps(res), flush=True)
     cfg = SFIConfig(budget=512, window=128, refresh=args.refresh, max_interval=args.slow_every,
                     min_gap=min(16, args.slow_every), adaptive_threshold=args.adaptive_threshold,
-                    selection_page=args.selection_page, fast_path=args.fast_path)
+                    selection_page=args.selection_page, fast_path=args.fast_path,
+                    max_slow_rows=args.max_slow_rows)
     model = bench.DummyModel(bench.SHAPES[args.shape], dtype, dev)
     B = args.batch
-    st = bench.Setup(model, cfg, args.context, B, args.steps, dev, dtype)
+    st = bench.Setup(model, cfg, args.context, B, args.steps, dev, dtype, all_slow=False)
     be = st.sfi
     first = torch.randint(100, 1000, (B,), device=dev)
     slots = st.fb.req_pool_indices.tolist()
@@ -154,7 +159,8 @@ def main(argv=None) -> int:
     state.BACKENDS.clear()
     if args.fast_path != "triton":  # the same requests on the shipped path, graphs on
         del runner, graph
-        st = bench.Setup(model, cfg.replace(fast_path="triton"), args.context, B, args.steps, dev, dtype)
+        st = bench.Setup(model, cfg.replace(fast_path="triton"), args.context, B, args.steps, dev, dtype,
+                         all_slow=False)
         be, reset, slots = st.sfi, st.reset, st.fb.req_pool_indices.tolist()  # mixed_reset's, now
         st.reset = mixed_reset
         ids, _, _ = bench.Runner(st, True).run_sfi(first, args.steps)

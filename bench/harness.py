@@ -83,8 +83,17 @@ class TokenToKVPool:
 
     def set_kv_buffer(self, layer, loc, k, v):
         loc = getattr(loc, "loc", loc)  # SGLang's KVWriteLoc (the `sfi` backend) or the indices
-        self.k[layer.layer_id][loc] = k.view(-1, *self.k[0].shape[1:]).to(self.k[0].dtype)
-        self.v[layer.layer_id][loc] = v.view(-1, *self.v[0].shape[1:]).to(self.v[0].dtype)
+        put(self.k[layer.layer_id], loc, k.view(-1, *self.k[0].shape[1:]))
+        put(self.v[layer.layer_id], loc, v.view(-1, *self.v[0].shape[1:]))
+
+
+def put(buf: torch.Tensor, loc, x: torch.Tensor) -> None:
+    """buf[loc] = x in buf's dtype; an fp8 buffer through its bytes, as SGLang's pool stores
+    fp8 (index_put has no fp8 kernel everywhere)."""
+    if buf.element_size() == 1 and buf.is_floating_point():
+        buf.view(torch.uint8)[loc] = x.to(buf.dtype).view(torch.uint8)
+    else:
+        buf[loc] = x.to(buf.dtype)
 
 
 @dataclass
@@ -329,16 +338,16 @@ class Setup:
     """Pools, a batch of B requests of context n, and both backends."""
 
     def __init__(self, model: DummyModel, cfg: SFIConfig, n: int, batch: int, steps: int, device, dtype,
-                 packed: Optional[bool] = None):
+                 packed: Optional[bool] = None, all_slow: bool = True, kv_dtype=None):
         s = model.s
-        # every row may be slow at once: the harness's requests run in lockstep, and its
-        # slow parts time the whole batch slow (the server limits a step's slow rows)
-        cfg = cfg.replace(max_slow_rows=0)
+        if all_slow:  # every row may be slow at once (cfg.max_slow_rows 0): the requests run
+            # in lockstep, and the slow parts time the whole batch slow
+            cfg = cfg.replace(max_slow_rows=0)
         self.model, self.n, self.B, self.steps = model, n, batch, steps
         cap = n + steps + 8
         self.cap = cap
         self.r2t_pool = ReqToTokenPool(batch, cap, device)
-        self.kv = TokenToKVPool(batch * cap, s.layers, s.kv_heads, s.head_dim, dtype, device)
+        self.kv = TokenToKVPool(batch * cap, s.layers, s.kv_heads, s.head_dim, kv_dtype or dtype, device)
         slots = torch.arange(1, batch + 1, device=device)
         base = 1 + (slots - 1) * cap  # request b's tokens are [base_b, base_b + cap)
         self.r2t_pool.req_to_token[1:batch + 1] = (base[:, None] + torch.arange(cap, device=device)).int()
@@ -382,8 +391,8 @@ class Setup:
         for lid, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
             shape = (locs.numel(), *k.shape[1:])
             kk = torch.randn(shape, generator=g, device=k.device, dtype=torch.float32).to(k.dtype)
-            k[locs] = kk
-            v[locs] = torch.randn(shape, generator=g, device=v.device, dtype=torch.float32).to(v.dtype)
+            put(k, locs, kk)
+            put(v, locs, torch.randn(shape, generator=g, device=v.device, dtype=torch.float32))
             store_key_norms(kk, locs, self.sfi.norms.layers[lid])
             del kk
 
@@ -395,8 +404,8 @@ class Setup:
         locs = (self.base[:, None] + torch.arange(self.n - 1, device=self.base.device)).reshape(-1)
         for lid, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
             kk = ks[lid].to(k.dtype).repeat(self.B, 1, 1)
-            k[locs] = kk
-            v[locs] = vs[lid].to(v.dtype).repeat(self.B, 1, 1)
+            put(k, locs, kk)
+            put(v, locs, vs[lid].repeat(self.B, 1, 1))
             store_key_norms(kk, locs, self.sfi.norms.layers[lid])
 
     def reset(self, first_ids: torch.Tensor):

@@ -31,6 +31,8 @@ Two parts, one process:
      sfi-pages      sfi with --sfi-selection-page 16 (the Selector keeps whole pages)
      sfi-pool-pages sfi-pool with --sfi-selection-page 16
      ...-nodense    any sfi engine with --sfi-dense-layers none (every layer sparse)
+     ...-fp8        any engine with --kv-cache-dtype fp8_e4m3 (its largest batch bounded at 1
+                    byte per K/V entry; the ideal bounds still count 2)
 
 CONTEXTxmax: each engine at the largest batch its own KV pool holds. The engine captures
 decode graphs at 1, 8 and steps of an eighth of an upper bound on that batch (the
@@ -277,9 +279,10 @@ def attention_bytes(shape: str, n: int, b: int, sfi: bool, cfg, slow_every: int)
     return b * cell * (dense * n + (L - dense) * (held + n / slow_every))
 
 
-def largest_batch_guess(shape: str, ctx: int, mem_fraction: float) -> int:
+def largest_batch_guess(shape: str, ctx: int, mem_fraction: float, kv_bytes: int = 2) -> int:
     """An upper bound on the sequences of ctx tokens the KV pool holds: the device's memory
-    times --mem-fraction, less the weights, over the KV bytes of ctx tokens."""
+    times --mem-fraction, less the weights, over the KV bytes of ctx tokens (kv_bytes per
+    entry: 1 for an fp8 KV cache)."""
     import torch
 
     if not torch.cuda.is_available():  # the CPU smoke run of this script
@@ -290,7 +293,7 @@ def largest_batch_guess(shape: str, ctx: int, mem_fraction: float) -> int:
     attn = h * d * 2 * (c["num_attention_heads"] + hkv)  # q, k, v, o
     weights = 2 * (L * (attn + 3 * h * f) + c["vocab_size"] * h)
     kv = torch.cuda.get_device_properties(0).total_memory * mem_fraction - weights
-    return max(1, int(kv // (2 * L * hkv * d * 2 * ctx)))
+    return max(1, int(kv // (2 * L * hkv * d * kv_bytes * ctx)))
 
 
 def graph_batches(guess: int) -> list[int]:
@@ -321,9 +324,11 @@ def launches(args, engines: list[str], configs: list[tuple[int, int]], sweep: li
         out += [dict(engine=name, parts=parts, caps={"best": c}) for c, parts in groups.items()]
     for n, b in configs:
         if not b:  # each engine at the largest captured batch its pool holds
-            guess = largest_batch_guess(args.shape, S.context_length(args, n), args.mem_fraction)
-            caps = {"graph_batches": graph_batches(guess), "best": cap[n]}
-            out += [dict(engine=name, parts=[(n, [1, guess])], caps=caps) for name in engines]
+            for name in engines:
+                guess = largest_batch_guess(args.shape, S.context_length(args, n), args.mem_fraction,
+                                            1 if name.endswith("-fp8") else 2)
+                caps = {"graph_batches": graph_batches(guess), "best": cap[n]}
+                out.append(dict(engine=name, parts=[(n, [1, guess])], caps=caps))
     return out
 
 
@@ -340,6 +345,9 @@ def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) 
     kw = S.engine_kwargs(args, base, path, ctx, batch)
     if caps.get("graph_batches"):
         kw["cuda_graph_bs_decode"] = caps["graph_batches"]
+    if name.endswith("-fp8"):  # SGLang's fp8 KV cache (unit scales)
+        kw["kv_cache_dtype"] = "fp8_e4m3"
+        name = name[:-len("-fp8")]
     if name.endswith("-nodense"):  # no layer kept dense (--sfi-dense-layers none)
         kw["sfi_dense_layers"] = "none"
         name = name[:-len("-nodense")]

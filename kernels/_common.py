@@ -65,7 +65,10 @@ def choose_num_splits(programs: int, max_len: int, block_n: int, device: torch.d
 
 @triton.jit
 def _online_update(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, IEEE: tl.constexpr):
-    """One tile of online softmax in the log2 domain. Returns (m, l, acc, qk_log2)."""
+    """One tile of online softmax in the log2 domain. Returns (m, l, acc, qk_log2). K and
+    V in another dtype than q (an fp8 KV cache, unit scales) are read in q's."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     if IEEE:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:

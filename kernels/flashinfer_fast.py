@@ -205,8 +205,10 @@ class FlashInferFastDecode:
     batch size's first step or graph capture: `plan`); `run` per layer is device work only."""
 
     def __init__(self, num_kv_heads: int, group: int, head_dim: int, cap: int, max_rows: int,
-                 device, dtype, holes: bool = False):
+                 device, dtype, holes: bool = False, kv_dtype=None):
+        # dtype: the queries' (and outputs'); kv_dtype: the KV cache's (fp8: read at unit scales)
         self.H, self.G, self.D, self.dtype = num_kv_heads, group, head_dim, dtype
+        self.kv_dtype = kv_dtype or dtype
         self.cap, self.C = int(cap), rows_per_list(cap)
         self.holes = bool(holes)  # whole pages: one more row per list (build_lists)
         self.R = self.C + int(self.holes)
@@ -252,7 +254,7 @@ class FlashInferFastDecode:
                                                             device=self.device))
         indptr = torch.arange(n + 1, dtype=torch.int32) * self.row_len
         w.plan(indptr, torch.zeros(n * self.row_len, dtype=torch.int32), torch.ones(n, dtype=torch.int32),
-               self.G, 1, self.D, 1, q_data_type=self.dtype, kv_data_type=self.dtype,
+               self.G, 1, self.D, 1, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
                sm_scale=float(sm_scale))
         self.wrappers[B] = w
 

@@ -67,15 +67,22 @@ records = {}
 # the kernel process runs both Triton fast paths (the packed copy, the pool read in place),
 # with single tokens and with whole pages of 6 (two pages: at most 12 positions of a count
 # of 16, the rest of each head's entries empty)
-runs = ((("triton", "triton", 1), ("triton-pages", "triton", 6), ("triton-pool-pages", "triton-pool", 6))
-        if packed else (("reference", "triton", 1), ("reference-pages", "triton", 6)))
-for name, fast_path, page in runs:
+# with at most 2 slow rows a step (the third row's slow steps come a step later), and over
+# an fp8 KV pool (its packed copies fp8 too)
+fp8 = torch.float8_e4m3fn
+runs = ((("triton", "triton", 1, 0, None), ("triton-pages", "triton", 6, 0, None),
+         ("triton-pool-pages", "triton-pool", 6, 0, None), ("triton-pool-limit", "triton-pool", 1, 2, None),
+         ("triton-fp8", "triton", 1, 0, fp8))
+        if packed else (("reference", "triton", 1, 0, None), ("reference-pages", "triton", 6, 0, None),
+                        ("reference-limit", "triton", 1, 2, None), ("reference-fp8", "triton", 1, 0, fp8)))
+for name, fast_path, page, limit, kv_dtype in runs:
     torch.manual_seed(0)
     cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=(0,), refresh="interval",
-                    max_interval=3, min_gap=1, fast_path=fast_path, selection_page=page)
+                    max_interval=3, min_gap=1, fast_path=fast_path, selection_page=page, max_slow_rows=limit)
     model = bench.DummyModel(bench.SHAPES["tiny"], torch.float32, "cpu")
     s = model.s
-    st = bench.Setup(model, cfg, 70, 3, 8, "cpu", torch.float32, packed=packed)
+    st = bench.Setup(model, cfg, 70, 3, 8, "cpu", torch.float32, packed=packed, all_slow=False,
+                     kv_dtype=kv_dtype)
     mem = st.sfi.memory
     assert mem.packed == packed
     st.reset(torch.tensor([5, 7, 11]))
@@ -106,7 +113,9 @@ def test_backend_kernel_path_equals_reference_path(tmp_path):
     the kernel reading the pool in place (--sfi-fast-path triton-pool) and with the torch
     reference (layer by layer, in a process without it): same outputs, same selections,
     also for a row with its own dense layer; and so with whole pages (--sfi-selection-page),
-    whose edge pages leave a head fewer positions than the selection's count."""
+    whose edge pages leave a head fewer positions than the selection's count, and with at
+    most 2 slow rows a step (--sfi-max-slow-rows: the dense pass's logits in score rows),
+    and over an fp8 KV pool (--kv-cache-dtype fp8_e4m3)."""
     import torch
 
     records = {}
@@ -118,7 +127,10 @@ def test_backend_kernel_path_equals_reference_path(tmp_path):
         assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
         records.update(torch.load(out))
     kinds = set()
-    for ref_name, paths in (("reference", ("triton",)), ("reference-pages", ("triton-pages", "triton-pool-pages"))):
+    limited = [r["slow"].tolist() for r in records["reference-limit"]]
+    assert limited[:2] == [[True, True, False], [False, False, True]], limited  # the third put off
+    for ref_name, paths in (("reference", ("triton",)), ("reference-pages", ("triton-pages", "triton-pool-pages")),
+                            ("reference-limit", ("triton-pool-limit",)), ("reference-fp8", ("triton-fp8",))):
         for step, ref in enumerate(records[ref_name]):
             kinds |= {"slow" if x else "fast" for x in ref["slow"].tolist()}
             if ref_name == "reference-pages" and step > 0:  # every head held pages, fewer than its count
@@ -384,6 +396,12 @@ def test_speed_launches_share_fixed_batch_configs():
     assert [got[1]["caps"]["best"], got[2]["caps"]["best"]] == [64, 128]
     assert [x["engine"] for x in got[3:]] == ["sfi", "dense-best"]
     assert all(x["parts"][0][0] == 8192 and x["caps"]["graph_batches"] for x in got[3:])
+    # an engine name's suffixes: -fp8 (SGLang's fp8 KV cache), then -nodense, -pages
+    caps = {"best": 64}
+    assert S.engine_kwargs(args, "sfi-fipath-nodense-fp8", "m", 32768, 8, caps) == {
+        **S.engine_kwargs(args, "sfi", "m", 32768, 8, caps), "kv_cache_dtype": "fp8_e4m3",
+        "sfi_dense_layers": "none", "sfi_fast_path": "flashinfer"}
+    assert S.engine_kwargs(args, "dense-flashinfer-fp8", "m", 32768, 8, caps)["kv_cache_dtype"] == "fp8_e4m3"
 
 
 def test_paired_quality_kl_by_steps_since_a_refresh(capsys):

@@ -209,13 +209,13 @@ def test_adaptive_refresh_needs_an_adaptive_server_and_one_tp_rank(monkeypatch):
         adaptive.check_server(2)
 
 
-def test_fp8_kv_cache_is_refused_before_launch():
-    """SFI reads bf16/fp16 K and V: --kv-cache-dtype fp8_* stops a launch before any process
-    starts, naming the flag and what to do (Engine here; the CLI and the backend call the
-    same check)."""
+def test_fp4_kv_cache_is_refused_before_launch():
+    """SFI reads K and V in the model's dtype or fp8 (at unit scales): --kv-cache-dtype fp4_*
+    stops a launch before any process starts, naming the flag and what to do (Engine here;
+    the CLI and the backend call the same check)."""
     import sfi_sglang
 
-    SFIConfig().check_server(1, "auto")
-    SFIConfig().check_server(1, "bf16")
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8_e4m3 is not supported with SFI yet: leave"):
-        sfi_sglang.Engine(model_path="m", kv_cache_dtype="fp8_e4m3")
+    for ok in ("auto", "bf16", "fp8_e4m3", "fp8_e5m2"):
+        SFIConfig().check_server(1, ok)
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp4_e2m1 is not supported with SFI yet: use"):
+        sfi_sglang.Engine(model_path="m", kv_cache_dtype="fp4_e2m1")

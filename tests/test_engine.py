@@ -146,6 +146,7 @@ def test_a_steps_slow_rows_are_limited_and_the_rest_put_off_a_step(engine, promp
     assert put_off[0]["slow_at"] == [s + 1 for s in alone["slow_at"]]
     for b in batch:
         assert b["fast_steps"] + b["slow_steps"] == 39
+        assert b.get("deferred_slow_steps", 0) == (1 if b is put_off[0] else 0)  # once: then a step apart
 
 
 def test_host_read_guard_refuses_item_tolist_cpu():

@@ -267,6 +267,35 @@ def test_fast_decode_half_precision(dtype):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_kv_cache_is_read_as_its_values(kv_dtype):
+    """An fp8 KV cache (SGLang's --kv-cache-dtype fp8_*, unit scales): the fast kernel
+    (over packed fp8 copies and the window read in place), the dense pass with scores and
+    the pack read each K/V entry as the value it holds, in the query's dtype."""
+    G, D, Hkv, P = 4, 32, 2, 24
+    seq_lens = [150, 70]
+    st = make_state(2, Hkv, G, D, P, seq_lens)
+    for name in ("k_cache", "v_cache", "packed_k", "packed_v"):
+        st[name] = st[name].to(kv_dtype)
+    positions, win_start, packed_len = sfi_layout(st, 4, 40, 20, seq_lens, P)
+    args = (st["q"], st["k_cache"], st["v_cache"], st["req_to_token"], st["req_pool_indices"],
+            st["seq_lens"], win_start, st["packed_k"], st["packed_v"], packed_len, D ** -0.5)
+    out = torch.full_like(st["q"], float("nan"))
+    K.fast_decode(*args, out=out, num_splits=2, block_n=16)
+    assert rel_err(out, K.ref_fast_decode(*args)) < TOL[torch.float32]
+    dense = args[:6] + (D ** -0.5,)
+    ref_out, ref_sc = K.ref_dense_decode_with_scores(*dense, n_max=160)
+    o, sc = K.dense_decode_with_scores(*dense, max_len=160, num_splits=3, block_n=16)
+    fin = torch.isfinite(ref_sc)
+    assert rel_err(o, ref_out) < TOL[torch.float32] and rel_err(sc[fin], ref_sc[fin]) < TOL[torch.float32]
+    pk, rk = torch.zeros_like(st["packed_k"]), torch.zeros_like(st["packed_k"])
+    pv, rv = torch.zeros_like(st["packed_v"]), torch.zeros_like(st["packed_v"])
+    K.pack(st["k_cache"], st["v_cache"], st["req_to_token"], st["req_pool_indices"], positions, pk, pv)
+    K.ref_pack(st["k_cache"], st["v_cache"], st["req_to_token"], st["req_pool_indices"], positions, rk, rv)
+    assert torch.equal(pk.view(torch.uint8), rk.view(torch.uint8))  # byte for byte
+    assert torch.equal(pv.view(torch.uint8), rv.view(torch.uint8))
+
+
 # ------------------------------------------------------------------ dense + scores (slow)
 
 @pytest.mark.parametrize("G,D,splits,block_n,seq_lens,extra", [

@@ -277,7 +277,7 @@ def test_reset_store_and_bytes():
     Hkv, D = 2, 8
     mem = SparseMemory(3, [1, 2], 5, Hkv, D, CFG, DEV, torch.float16, packed=False)
     L, M, K = 2, 5, CFG.budget
-    assert mem.bytes() == L * M * Hkv * K * 4 + M * 4 + M * 8 + M * 4 + M * 8 + M * 3 * 8
+    assert mem.bytes() == L * M * Hkv * K * 4 + M * 4 + M * 8 + M * 4 + M * 8 + M * 4 * 8
     st, gen = make_pool([70, 30], Hkv, 1, D, max_slots=5)
     pos, cnt, ws = selection(CFG, [70, 30], Hkv, gen, k=5)
     mem.store(2, st["rpi"], pos, cnt, ws, st["k"], st["v"], st["rtt"])
@@ -368,13 +368,14 @@ def test_step_plan_limits_slow_rows_and_maps_them_to_score_rows():
     lens = torch.tensor([40, 1, 50, 60, 70])
     ids = torch.zeros(5, dtype=torch.int64)
     rows = plan.begin(ids, slots, lens)  # no selection yet: every SFI row wants a slow step
-    assert rows.slow.tolist() == [True, False, False, True, False]  # row 4 put off
+    assert rows.slow.tolist() == [True, False, False, True, False]
+    assert rows.deferred.tolist() == [False, False, False, False, True]  # row 4 put off
     assert rows.score_row.tolist() == [0, -1, -1, 1, -1]
     assert rows.sel_slots.tolist() == [3, 6] and rows.sel_lens.tolist() == [40, 60]
     assert rows.sel_l.tolist() == [[True, False], [True, True], [True, True]]  # slot 6: layer 0 dense
     assert rows.need_l[:, 2].all()  # the SFI-off row runs every layer's dense pass, without scores
     rows = plan.begin(ids, slots, lens + 1)  # the put-off row now; the others hold selections
-    assert rows.slow.tolist() == [False, False, False, False, True]
+    assert rows.slow.tolist() == [False, False, False, False, True] and not rows.deferred.any()
     assert rows.score_row.tolist() == [-1, -1, -1, -1, 0]
     assert rows.sel_slots.tolist() == [2, 0] and rows.sel_lens.tolist() == [71, 0]
     assert not rows.sel_l[:, 1].any()
@@ -525,9 +526,9 @@ def test_export_import_and_step_counters():
     slots = torch.tensor([src, dst])
     mem.count_steps(slots, torch.tensor([True, True]), torch.tensor([False, True]))
     mem.count_steps(slots, torch.tensor([True, False]), torch.tensor([False, False]))
-    assert mem.counts[src].tolist() == [2, 0, 0] and mem.counts[dst].tolist() == [1, 1, 0]
+    assert mem.counts[src].tolist() == [2, 0, 0, 0] and mem.counts[dst].tolist() == [1, 1, 0, 0]
     mem.reset([src])
-    assert mem.counts[src].tolist() == [0, 0, 0] and int(mem.sel_count[src]) == 0
+    assert mem.counts[src].tolist() == [0, 0, 0, 0] and int(mem.sel_count[src]) == 0
 
 
 @kernel_test

@@ -231,6 +231,7 @@ def test_metrics_follow_the_requests(server, tokenizer):
     slot in use once the requests are done."""
     before = scrape(server)
     assert metric(before, "memory_slots") == 65 and metric(before, "memory_bytes") > 0
+    assert ("sglang:sfi_deferred_slow_steps_total",) in before  # at 0: one request at a time
     essay = chat_prompt(tokenizer, "Continue: " + long_text(tokenizer, 200, start=41))
     early = {"custom_params": {"sfi": {"min_gap": 4}}}  # slow steps soon after a sentence end
     first = generate(server, greedy(32, **early), text=essay)
@@ -254,7 +255,7 @@ def test_metrics_follow_the_requests(server, tokenizer):
     assert d("selections_total", source="prefill") == sum(s["bootstrap_computed"] for s in sfi)
     assert d("selections_total", source="shared_prefix") == 1
     assert d("requests_total", sfi="on") == 3 and d("requests_total", sfi="off") == 1
-    assert d("radix_memory_hits_total") == 1
+    assert d("radix_memory_hits_total") == 1 and d("deferred_slow_steps_total") == 0
     radix = stats(server)["radix"]
     assert metric(after, "radix_memory_hits_total") == radix["lookups_hit"]
     assert metric(after, "radix_memory_evictions_total", reason="tree_evict") == radix["freed_on_evict"]

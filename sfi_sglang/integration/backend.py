@@ -47,7 +47,7 @@ from sfi_sglang.integration.slots import Slots
 from sfi_sglang.integration.warmup import warm_up
 from sfi_sglang.method.baselines import HostPath
 from sfi_sglang.method.boundary import AdaptiveMonitor, TriggerPolicy, extra_boundary_rows
-from sfi_sglang.method.config import server_config
+from sfi_sglang.method.config import SFIConfigError, server_config
 from sfi_sglang.method.memory import NO_WINDOW, SparseMemory
 from sfi_sglang.method.options import EXTRA_IDS_KEY
 from sfi_sglang.method.selector import KeyNorms, Selection
@@ -89,9 +89,14 @@ class SFIAttnBackend(AttentionBackend):
         max_slots = r2t.shape[0]
         k0 = self.token_to_kv_pool.get_key_buffer(0)
         self.scaling = _attention_scaling(model_runner, k0.shape[2])
+        if k0.dtype.itemsize == 1 and _has_kv_scales(model_runner):
+            raise SFIConfigError("SFI reads an fp8 KV cache at unit scales only, and this model loaded "
+                                 "KV scales (--quantization-param-path): drop them, use --kv-cache-dtype "
+                                 "auto, or serve dense with --disable-sfi")
         # every layer has a row of the memory (a request may make any layer sparse or dense)
         self.memory = SparseMemory(self.num_layers, range(self.num_layers), max_slots,
                                    k0.shape[1], k0.shape[2], cfg, k0.device, k0.dtype,
+                                   q_dtype=getattr(mc, "dtype", k0.dtype),
                                    group=max(1, self.num_q_heads // k0.shape[1]))
         self.memory.fast_ws[0] = NO_WINDOW  # slot 0: SGLang's padding rows
         self.norms = KeyNorms(self.num_layers, k0.shape[0], k0.shape[1], k0.device)
@@ -272,7 +277,7 @@ class SFIAttnBackend(AttentionBackend):
             rows.need = rows.need | over.any()
         if meta.extra_rows is not None:
             self.policy.mark_pending(slots, meta.extra_rows, rows.slow)
-        self.memory.count_steps(slots, fast, rows.slow, over)
+        self.memory.count_steps(slots, fast, rows.slow, over, rows.deferred)
         meta.win_start = self.memory.step_window_start(slots)
         batched = self.selection.side_stream is None
         meta.layer_scores = self.scores.step(rows.sel_slots.shape[0]) if batched else None
@@ -394,6 +399,16 @@ def _attention_scaling(model_runner, head_dim: int) -> float:
         if isinstance(m, RadixAttention):
             return float(m.scaling)
     return head_dim ** -0.5
+
+
+def _has_kv_scales(model_runner) -> bool:
+    """Whether a RadixAttention layer of the model holds KV scales (loaded for an fp8 KV
+    cache from --quantization-param-path; without them SGLang reads fp8 at unit scales)."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    model = getattr(model_runner, "model", None)
+    return any(isinstance(m, RadixAttention) and (m.k_scale is not None or m.v_scale is not None)
+               for m in (model.modules() if model is not None else ()))
 
 
 def _trigger_policy(model_runner, cfg, max_slots: int, device) -> TriggerPolicy:

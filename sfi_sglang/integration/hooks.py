@@ -177,7 +177,8 @@ def _reserve_sfi_memory(original, self, *args, **kwargs):
                                             width, batched=cfg.method == "sfi")
     kv_heads = mc.get_num_kv_heads(sa.tp_size)
     budget = kv_budget(available, num_layers, kv_heads, mc.head_dim, cfg, self.kv_cache_dtype, packed,
-                       slots, scores, group=max(1, mc.num_attention_heads // sa.tp_size // kv_heads))
+                       slots, scores, group=max(1, mc.num_attention_heads // sa.tp_size // kv_heads),
+                       q_dtype=getattr(mc, "dtype", None))
     MEMORY.update(available=int(available), kv_budget=budget, reserved=int(available) - budget,
                   scores=scores, slots=slots + 1,
                   # SFI's KV pool against the one dense SGLang would size from the same bytes

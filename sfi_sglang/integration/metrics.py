@@ -23,6 +23,9 @@ request's steps are counted when it finishes (aborted requests included).
                                                      SGLang retracted), other (past the
                                                      per-request log of sfi_sglang.method.step.SLOW_LOG
                                                      slow steps)
+    sglang:sfi_deferred_slow_steps_total             slow steps put off a decode step: more rows
+                                                     of a step were due one than
+                                                     --sfi-max-slow-rows
     sglang:sfi_selections_total{source}              new selections of a request's memory:
                                                      prefill (the Selector at prefill end),
                                                      slow_step, shared_prefix (imported from a
@@ -100,6 +103,8 @@ class SFIMetrics:
 
         self.fast_steps = counter("fast_steps_total", "SFI fast decode steps.")
         self.slow_steps = counter("slow_steps_total", "SFI slow decode steps, by cause.", ["cause"])
+        self.deferred = counter("deferred_slow_steps_total",
+                                "SFI slow steps put off a decode step (--sfi-max-slow-rows).")
         self.selections = counter("selections_total", "New selections of SFI memories, by source.",
                                   ["source"])
         self.requests = counter("requests_total", "Finished requests, by SFI on or off.", ["sfi"])
@@ -124,6 +129,7 @@ class SFIMetrics:
         for reason in ("tree_evict", "lru"):
             self.radix_evictions.labels(**self._l(reason=reason))
         self.fast_steps.labels(**self.labels)
+        self.deferred.labels(**self.labels)
         self.radix_hits.labels(**self.labels)
 
     def _l(self, **extra):
@@ -135,6 +141,8 @@ class SFIMetrics:
         if not stats["enabled"]:
             return
         self.fast_steps.labels(**self.labels).inc(stats["fast_steps"])
+        if stats.get("deferred_slow_steps"):
+            self.deferred.labels(**self.labels).inc(stats["deferred_slow_steps"])
         causes = slow_causes(stats["slow_at"], stats["slow_steps"], max_interval, interval_mode,
                              stats["bootstrap"], stats.get("adaptive_slow_steps", 0),
                              stats.get("retractions", 0))

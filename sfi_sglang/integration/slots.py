@@ -172,7 +172,7 @@ class Slots:
             self.policy.fired[slot] = history.pop("fired")
         slow = req.enabled and req.refreshes
         self.step.resume(slot, history, slow)
-        self.memory.counts[slot] = counts + torch.tensor([0, int(slow), 0], dtype=counts.dtype,
+        self.memory.counts[slot] = counts + torch.tensor([0, int(slow), 0, 0], dtype=counts.dtype,
                                                          device=counts.device)
         return req
 
@@ -238,7 +238,7 @@ class Slots:
         if entry is None:
             return None
         slot, req = entry
-        fast, slow, dense = self.memory.counts[slot].tolist()
+        fast, slow, dense, deferred = self.memory.counts[slot].tolist()
         _, slow_at = self.step.read(slot)
         if finished and self.requests.get(slot) is req:
             # SGLang released the request (its memory published to the radix cache) before
@@ -247,6 +247,8 @@ class Slots:
         stats = req.stats(fast, slow, slow_at)
         if dense:
             stats["dense_steps"] = dense
+        if deferred:
+            stats["deferred_slow_steps"] = deferred
         if self.policy.fired is not None:
             stats["adaptive_slow_steps"] = self.fired(slot)
         if finished:  # this rank's decision log (parallel: TP ranks compared)

@@ -229,14 +229,15 @@ class SFIConfig:
     def check_server(self, tp_size: int, kv_cache_dtype: str = "auto") -> None:
         """What SFI needs of SGLang's own server options, checked where a launch knows them
         (the CLI, Engine, and the backend in each scheduler): one tensor-parallel rank for
-        the adaptive trigger; a KV cache in the model's dtype (SFI's kernels, its packed
-        copy and the Selector read bf16/fp16 K and V, not fp8's scaled bytes)."""
+        the adaptive trigger; a KV cache in the model's dtype or in fp8 (SFI's kernels read
+        fp8 entries at unit scales, SGLang's default without --quantization-param-path; the
+        backend refuses a model with KV scales), not fp4."""
         if self.refresh == "adaptive" and tp_size > 1:
             raise SFIConfigError(f"{cli_name('refresh')} adaptive needs --tp-size 1 (each rank holds "
                                  "only its heads and would decide its refreshes alone)")
-        if str(kv_cache_dtype).startswith(("fp8", "fp4")):
+        if str(kv_cache_dtype).startswith("fp4"):
             raise SFIConfigError(f"--kv-cache-dtype {kv_cache_dtype} is not supported with SFI yet: "
-                                 "leave --kv-cache-dtype at auto, or serve dense with --disable-sfi")
+                                 "use auto or fp8_e4m3, or serve dense with --disable-sfi")
 
     # ---------------------------------------------------------------- construction
     @classmethod

@@ -56,10 +56,11 @@ class SparseMemory:
                                     packed path's window then starts at n_sinks when it is
                                     < S, so short contexts grow into the sinks correctly
       fast_ws   [max_slots] int64   the packed path's window start, set by `store`
-      counts    [max_slots, 3] int64  fast, slow and dense decode steps of the slot's
-                                    request (dense: steps the whole batch ran dense,
-                                    --sfi-dense-below, or the row's FlashInfer lists
-                                    outgrew their bound)
+      counts    [max_slots, 4] int64  fast, slow, dense and deferred decode steps of the
+                                    slot's request (dense: steps the whole batch ran
+                                    dense, --sfi-dense-below, or the row's FlashInfer lists
+                                    outgrew their bound; deferred: fast steps whose slow
+                                    step --sfi-max-slow-rows put off to the next)
     the kernel paths (every fast path on CUDA) add
       packed_len [max_slots] int32  = n_sinks + sel_count
     and fast_path "triton" also
@@ -69,7 +70,7 @@ class SparseMemory:
 
     def __init__(self, num_layers: int, sparse_layer_ids: Iterable[int], max_slots: int,
                  num_kv_heads: int, head_dim: int, cfg, device, dtype=torch.bfloat16,
-                 packed: Optional[bool] = None, group: int = 1):
+                 packed: Optional[bool] = None, group: int = 1, q_dtype: Optional[torch.dtype] = None):
         self.device = torch.device(device)
         self.num_layers = int(num_layers)
         self.sparse_layer_ids = sorted(int(i) for i in sparse_layer_ids)
@@ -94,7 +95,7 @@ class SparseMemory:
         self.n_sinks = torch.zeros(M, dtype=torch.int32, device=dev)
         # window start of the packed path, precomputed at store (one gather per fast step)
         self.fast_ws = torch.zeros(M, dtype=torch.int64, device=dev)
-        self.counts = torch.zeros(M, 3, dtype=torch.int64, device=dev)
+        self.counts = torch.zeros(M, 4, dtype=torch.int64, device=dev)
         self.packed_k: list[torch.Tensor] = []
         self.packed_v: list[torch.Tensor] = []
         self.packed_len = None
@@ -109,8 +110,8 @@ class SparseMemory:
         if self.fast_path == "flashinfer":
             from sfi_sglang.kernels.flashinfer_fast import FlashInferFastDecode
 
-            self._fi = FlashInferFastDecode(H, int(group), self.head_dim, self.fast_cap, M, dev, dtype,
-                                            holes=cfg.selection_page > 1)
+            self._fi = FlashInferFastDecode(H, int(group), self.head_dim, self.fast_cap, M, dev,
+                                            q_dtype or dtype, holes=cfg.selection_page > 1, kv_dtype=dtype)
         self._k = _kernels() if self.packed else None
         self._ar_k = torch.arange(K, device=dev)
         self._ar_s = torch.arange(self.sinks, device=dev)
@@ -130,13 +131,13 @@ class SparseMemory:
     # ------------------------------------------------------------------ bookkeeping
     @staticmethod
     def slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, cfg, dtype, packed: bool,
-                   group: int = 1) -> int:
+                   group: int = 1, q_dtype=None) -> int:
         """Bytes a SparseMemory of `num_layers` layers holds per request slot (every tensor
         bytes() counts is [slots, ...]; `packed` as in __init__): what SGLang's memory budget
         must leave for it (kv_budget). Measured on a one-slot memory on the
         meta device, so it cannot drift from the allocation."""
         return SparseMemory(num_layers, range(num_layers), 1, num_kv_heads, head_dim, cfg, "meta",
-                            dtype, packed=packed, group=group).bytes()
+                            dtype, packed=packed, group=group, q_dtype=q_dtype).bytes()
 
     def bytes(self) -> int:
         """Device bytes held by this memory (the FlashInfer path's per-row buffers included)."""
@@ -167,12 +168,14 @@ class SparseMemory:
             self.packed_len[s] = 0
 
     def count_steps(self, slots: torch.Tensor, fast: torch.Tensor, slow: torch.Tensor,
-                    dense: torch.Tensor | None = None) -> None:
-        """One decode step of the requests in `slots` [B]: fast, slow and dense [B] bool say
-        which rows were which (no host sync; slots are distinct but for padding slot 0)."""
+                    dense: torch.Tensor | None = None, deferred: torch.Tensor | None = None) -> None:
+        """One decode step of the requests in `slots` [B]: fast, slow, dense and deferred
+        [B] bool say which rows were which (no host sync; slots are distinct but for padding
+        slot 0)."""
         s = self._slots(slots)
         dense = torch.zeros_like(fast) if dense is None else dense
-        self.counts[s] = self.counts[s] + torch.stack([fast, slow, dense], 1).to(torch.int64)
+        deferred = torch.zeros_like(fast) if deferred is None else deferred
+        self.counts[s] = self.counts[s] + torch.stack([fast, slow, dense, deferred], 1).to(torch.int64)
 
     def export(self, slot: int):
         """(positions [L_sparse, H_kv, K] int32, count, win_start) of a slot's selection:
@@ -508,13 +511,15 @@ class FastLists:
 
 
 def kv_budget(available: int, num_layers: int, num_kv_heads: int, head_dim: int, cfg, dtype,
-              packed: bool, slots: int, scores: int = 0, group: int = 1) -> int:
+              packed: bool, slots: int, scores: int = 0, group: int = 1, q_dtype=None) -> int:
     """SGLang's KV-pool byte budget once the `sfi` backend's own tensors are set aside: the
-    sparse memory (per request slot, `slots` + 1 rows like SGLang's req_to_token), the slow
+    sparse memory (per request slot, `slots` + 1 rows like SGLang's req_to_token; `dtype` the
+    KV cache's, `q_dtype` the model's where they differ: an fp8 cache), the slow
     pass's score buffers (`scores` bytes: step.ScoreBuffers.reserve_bytes) and the key norms
     (per KV-pool token, next to the pool's K and V). Raises SFIConfigError when nothing would
     be left. Called where SGLang sizes its pools (hooks._reserve_sfi_memory)."""
-    mem = (slots + 1) * SparseMemory.slot_bytes(num_layers, num_kv_heads, head_dim, cfg, dtype, packed, group)
+    mem = (slots + 1) * SparseMemory.slot_bytes(num_layers, num_kv_heads, head_dim, cfg, dtype, packed, group,
+                                                q_dtype)
     kv_cell = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
     norm_cell = num_layers * num_kv_heads * 4  # the key norms: L x float32 [tokens, H_kv]
     left = (available - mem - scores) * kv_cell // (kv_cell + norm_cell)

@@ -18,7 +18,7 @@ replay decides afresh. It leaves per-row tensors for the layers:
     dense     [B, L]  the row is dense at layer l (SFI off for it, or one of its dense layers)
     need      [L]     some row of the batch needs the dense pass at layer l (a slow or a
                       dense row): the predicate of that layer's conditional graph node
-    need_l, slow_l [L, B]  per layer: the rows of its dense pass, and those that select
+    need_l    [L, B]  per layer: the rows of its dense pass
 At most `max_slow` rows of a step are slow (SFIConfig.max_slow_rows; the others are put
 off to their next step by the trigger policy), so the slow pass's logits and the Selector
 take R = min(B, max_slow) rows, the step's slow rows in batch order (`score_row`), not B:
@@ -49,8 +49,8 @@ class Rows:
     dense: torch.Tensor  # [B, L] bool
     need: torch.Tensor  # [L] bool
     need_l: torch.Tensor  # [L, B] bool: the row needs layer l's dense pass (slow or dense)
-    slow_l: torch.Tensor  # [L, B] bool: the row selects at layer l (slow, layer not dense)
     any_slow: torch.Tensor  # [] bool: some row is slow (the step's end selects)
+    deferred: torch.Tensor  # [B] bool: a slow step put off to the row's next step (the limit)
     score_row: torch.Tensor  # [B] int32: the row's score row (rank among slow rows), -1: none
     sel_slots: torch.Tensor  # [R] int64: each score row's slot (0, the padding slot: none)
     sel_lens: torch.Tensor  # [R]: each score row's context length (0: none)
@@ -147,7 +147,7 @@ class StepPlan:
         self.has_sel[slots] = self.has_sel[slots] | slow
         dense = self.dense[slots] | ~on[:, None]
         need = dense | slow[:, None]
-        slow_l = (slow[:, None] & ~dense).t().contiguous()
+        slow_l = (slow[:, None] & ~dense).t()  # [L, B]: the row selects at layer l
         # the score rows: slow rows in batch order (at most R of them, policy.step's limit);
         # the rest of R hold the padding slot and select nothing
         rank = torch.cumsum(slow.to(torch.int32), 0) - 1
@@ -160,8 +160,8 @@ class StepPlan:
         sel_lens = torch.where(used, seq_lens[row_of], 0)
         # per-layer rows made once per step, so a layer indexes them (no launch per layer)
         return Rows(on=on, slow=slow, dense=dense, need=need.any(0), need_l=need.t().contiguous(),
-                    slow_l=slow_l, any_slow=slow.any(), score_row=score_row, sel_slots=sel_slots,
-                    sel_lens=sel_lens, sel_l=slow_l[:, row_of] & used[None, :])
+                    any_slow=slow.any(), deferred=self.policy.deferred[slots] & device, score_row=score_row, sel_slots=sel_slots, sel_lens=sel_lens,
+                    sel_l=slow_l[:, row_of] & used[None, :])
 
 
 def score_rows(batch: int, max_slow: int) -> int:
