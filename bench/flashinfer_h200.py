@@ -12,7 +12,8 @@ All paths run through SparseMemory (sfi_sglang/method/memory.py), the backend's 
                rows of <= 128 entries, the rows' merge (one Triton launch): no host work
   1. Correctness vs float64 (kernels.reference.ref_fast_decode over the same selection):
      ragged small shapes (G = 1, 4, 8; one with whole pages, KV head 0 holding fewer
-     positions than the count) and Qwen3-4B shapes at 32K B=8, eagerly and in a CUDA graph
+     positions than the count; one over an fp8 KV cache) and Qwen3-4B shapes at 32K B=8,
+     eagerly and in a CUDA graph
      replayed after the lengths, window starts and selections changed (shorter lists than
      planned, other counts).
   2. Per-layer times (CUDA-graph replays) at N in {8K, 32K, 128K} x B in {1, 8} (budget
@@ -42,9 +43,11 @@ from sfi_sglang.kernels import flashinfer_fast as FF  # noqa: E402
 _, CFG = KH.load_selector()
 
 
-def memories(S, W, Kc, M, Hkv, D, dtype, G=1, page=1):
+def memories(S, W, Kc, M, Hkv, D, dtype, G=1, page=1, kv_dtype=None):
+    """One memory per fast path; dtype the queries', kv_dtype the KV cache's (fp8)."""
     base = CFG.SFIConfig(sinks=S, window=W, budget=Kc, dense_layers=(), selection_page=page)
-    return [MEM.SparseMemory(1, [0], M, Hkv, D, base.replace(fast_path=fp), DEV, dtype, packed=True, group=G)
+    return [MEM.SparseMemory(1, [0], M, Hkv, D, base.replace(fast_path=fp), DEV, kv_dtype or dtype, packed=True,
+                             group=G, q_dtype=dtype)
             for fp in ("triton", "triton-pool", "flashinfer")]
 
 
@@ -75,16 +78,18 @@ def store_random(mems, rpi, seq_lens, S, W, Kc, kc, vc, r2t, holes=False):
 def correctness():
     ok = True
     ref = KH.K.ref_fast_decode
-    for G, D, dtype, lens, S, W, Kc, page in [(1, 128, torch.bfloat16, [300, 1000, 77], 4, 32, 48, 1),
-                                              (4, 128, torch.bfloat16, [513, 90, 2000, 36], 4, 64, 100, 1),
-                                              (4, 128, torch.bfloat16, [513, 90, 2000, 36], 4, 64, 100, 4),
-                                              (8, 128, torch.float16, [700, 260], 4, 32, 64, 1),
-                                              (4, 128, torch.bfloat16, [32768] * 8, 4, 256, 2048, 1)]:
+    fp8 = torch.float8_e4m3fn  # an fp8 KV cache (unit scales) under bf16 queries
+    for G, D, dtype, lens, S, W, Kc, page, kv in [(1, 128, torch.bfloat16, [300, 1000, 77], 4, 32, 48, 1, None),
+                                                  (4, 128, torch.bfloat16, [513, 90, 2000, 36], 4, 64, 100, 1, None),
+                                                  (4, 128, torch.bfloat16, [513, 90, 2000, 36], 4, 64, 100, 4, None),
+                                                  (4, 128, torch.bfloat16, [513, 90, 2000, 36], 4, 64, 100, 1, fp8),
+                                                  (8, 128, torch.float16, [700, 260], 4, 32, 64, 1, None),
+                                                  (4, 128, torch.bfloat16, [32768] * 8, 4, 256, 2048, 1, None)]:
         Hkv = 8 if lens[0] == 32768 else 2
         B, M = len(lens), len(lens) + 3
         ntok = sum(lens) + 5
-        kc = torch.randn(ntok, Hkv, D, device=DEV, dtype=dtype)
-        vc = torch.randn(ntok, Hkv, D, device=DEV, dtype=dtype)
+        kc = torch.randn(ntok, Hkv, D, device=DEV, dtype=dtype).to(kv or dtype)
+        vc = torch.randn(ntok, Hkv, D, device=DEV, dtype=dtype).to(kv or dtype)
         r2t = torch.zeros(M, max(lens) + 4, dtype=torch.int32, device=DEV)
         rpi = torch.randperm(M, device=DEV)[:B]
         perm = torch.randperm(ntok, device=DEV).int()
@@ -93,11 +98,12 @@ def correctness():
             r2t[rpi[b], :n] = perm[off:off + n]
             off += n
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-        tri, pool, fi = memories(S, W, Kc, M, Hkv, D, dtype, G, page)
+        tri, pool, fi = memories(S, W, Kc, M, Hkv, D, dtype, G, page, kv)
         store_random([tri, pool, fi], rpi, seq_lens, S, W, Kc, kc, vc, r2t, holes=page > 1)
         q = torch.randn(B, Hkv * G, D, device=DEV, dtype=dtype)
         sm = D ** -0.5
-        tag = f"G{G} D{D} {str(dtype)[6:]} lens{lens[:4]}" + (f" pages of {page}" if page > 1 else "")
+        tag = (f"G{G} D{D} {str(dtype)[6:]} lens{lens[:4]}" + (f" pages of {page}" if page > 1 else "")
+               + (" kv fp8" if kv is not None else ""))
         fi.plan_fast(B, sm)
         out = torch.full_like(q, float("nan"))
 

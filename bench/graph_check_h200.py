@@ -52,6 +52,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-slow-rows", type=int, default=2,
                    help="--sfi-max-slow-rows: below the batch's SFI rows (the requests run in lockstep), "
                         "so some slow steps are put off a step, graphs on and off")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
+                   help="fp8_e4m3: the pool in fp8 (unit scales), checked the same way; writes "
+                        "graph_check_h200[...]_fp8.json")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
 
@@ -98,7 +101,8 @@ def main(argv=None) -> int:
                     max_slow_rows=args.max_slow_rows)
     model = bench.DummyModel(bench.SHAPES[args.shape], dtype, dev)
     B = args.batch
-    st = bench.Setup(model, cfg, args.context, B, args.steps, dev, dtype, all_slow=False)
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else None
+    st = bench.Setup(model, cfg, args.context, B, args.steps, dev, dtype, all_slow=False, kv_dtype=kv_dtype)
     be = st.sfi
     first = torch.randint(100, 1000, (B,), device=dev)
     slots = st.fb.req_pool_indices.tolist()
@@ -125,7 +129,8 @@ def main(argv=None) -> int:
     eager_ids, _, eager_slow, _ = run(False)
     eager_fired = fired()
     graph_ids, secs, graph_slow, runner = run(True)
-    res.update(refresh=args.refresh, selection_page=args.selection_page, adaptive_fired_eager=eager_fired,
+    res.update(refresh=args.refresh, selection_page=args.selection_page, kv_cache_dtype=args.kv_cache_dtype,
+               max_slow_rows=args.max_slow_rows, adaptive_fired_eager=eager_fired,
                adaptive_fired_graph=fired())
     counts = be.memory.counts[st.fb.req_pool_indices].tolist()
     same = torch.equal(eager_ids, graph_ids)
@@ -160,7 +165,7 @@ def main(argv=None) -> int:
     if args.fast_path != "triton":  # the same requests on the shipped path, graphs on
         del runner, graph
         st = bench.Setup(model, cfg.replace(fast_path="triton"), args.context, B, args.steps, dev, dtype,
-                         all_slow=False)
+                         all_slow=False, kv_dtype=kv_dtype)
         be, reset, slots = st.sfi, st.reset, st.fb.req_pool_indices.tolist()  # mixed_reset's, now
         st.reset = mixed_reset
         ids, _, _ = bench.Runner(st, True).run_sfi(first, args.steps)
@@ -174,7 +179,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     name = ("graph_check_h200" + ("_adaptive" if args.refresh == "adaptive" else "")
             + ("_pages" if args.selection_page > 1 else "")
-            + (f"_{args.fast_path.replace('-', '_')}" if args.fast_path != "triton" else ""))
+            + (f"_{args.fast_path.replace('-', '_')}" if args.fast_path != "triton" else "")
+            + ("_fp8" if kv_dtype is not None else ""))
     with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(res, f, indent=1)
     return 0 if same and sync_ok and (HAS_IF_NODE or res_if["graph_if_available"]) else 1
