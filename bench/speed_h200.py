@@ -33,6 +33,8 @@ Two parts, one process:
      ...-nodense    any sfi engine with --sfi-dense-layers none (every layer sparse)
      ...-fp8        any engine with --kv-cache-dtype fp8_e4m3 (its largest batch bounded at 1
                     byte per K/V entry; the ideal bounds still count 2)
+     ...-slowall    any sfi engine with --sfi-max-slow-rows 0: every row due a slow step runs
+                    it at once (the bench's requests run in lockstep; as shipped, at most 8 a step)
 
 CONTEXTxmax: each engine at the largest batch its own KV pool holds. The engine captures
 decode graphs at 1, 8 and steps of an eighth of an upper bound on that batch (the
@@ -348,6 +350,9 @@ def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) 
     if name.endswith("-fp8"):  # SGLang's fp8 KV cache (unit scales)
         kw["kv_cache_dtype"] = "fp8_e4m3"
         name = name[:-len("-fp8")]
+    if name.endswith("-slowall"):  # no limit on a step's slow rows
+        kw["sfi_max_slow_rows"] = 0
+        name = name[:-len("-slowall")]
     if name.endswith("-nodense"):  # no layer kept dense (--sfi-dense-layers none)
         kw["sfi_dense_layers"] = "none"
         name = name[:-len("-nodense")]
