@@ -13,9 +13,8 @@ All paths run through SparseMemory (sfi_sglang/method/memory.py), the backend's 
   1. Correctness vs float64 (kernels.reference.ref_fast_decode over the same selection):
      ragged small shapes (G = 1, 4, 8; one with whole pages, KV head 0 holding fewer
      positions than the count; one over an fp8 KV cache) and Qwen3-4B shapes at 32K B=8,
-     eagerly and in a CUDA graph
-     replayed after the lengths, window starts and selections changed (shorter lists than
-     planned, other counts).
+     eagerly and in a CUDA graph replayed after the lengths, window starts and selections
+     changed (shorter lists than planned, other counts).
   2. Per-layer times (CUDA-graph replays) at N in {8K, 32K, 128K} x B in {1, 8} (budget
      4 + 2048 + 256): dense SDPA, each fast path, FlashInfer's decode alone.
 Writes flashinfer_h200.json, prints a table last.

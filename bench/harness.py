@@ -42,7 +42,7 @@ from sfi_sglang.integration import state
 from sfi_sglang.integration.backend import SFIAttnBackend
 from sfi_sglang.method.config import FAST_PATHS, SFIConfig, export_config
 from sfi_sglang.method.memory import NO_WINDOW
-from sfi_sglang.method.step import ScoreBuffers
+from sfi_sglang.method.step import ScoreBuffers, score_rows
 
 SHAPES = {
     # Qwen3-4B: 36 layers, hidden 2560, 32 query / 8 KV heads of 128, MLP 9728
@@ -377,8 +377,8 @@ class Setup:
                        m.device, m.dtype, packed=packed)
             m.fast_ws[0] = NO_WINDOW  # SGLang's padding slot, as the backend sets it
             sc = self.sfi.scores  # and the score buffers of that path
-            self.sfi.scores = ScoreBuffers(m.device, packed, m.max_slots, sc.num_sparse, sc.num_q_heads,
-                                           sc.width, batched=cfg.method == "sfi")
+            self.sfi.scores = ScoreBuffers(m.device, packed, score_rows(m.max_slots, cfg.max_slow_rows),
+                                           sc.num_sparse, sc.num_q_heads, sc.width, batched=cfg.method == "sfi")
         self.sfi.init_cuda_graph_state(batch, batch)  # as SGLang's graph runner does
         self.fill(seed=1)
 

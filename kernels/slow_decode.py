@@ -80,8 +80,9 @@ def _dense_scores_kernel(
                      mask=mask_s[:, None] & mask_n[None, :])
 
     if WRITE_SCORES:
-        # Tail [seq_len, N_max) -> -inf, split evenly over the num_splits programs.
-        tail = tl.maximum(N_max - seq_len, 0)
+        # Tail [seq_len, N_max) -> -inf, split evenly over the num_splits programs (none
+        # for a row without a score row: no loop over N_max of masked stores)
+        tail = tl.where(srow >= 0, tl.maximum(N_max - seq_len, 0), 0)
         tchunk = tl.cdiv(tl.cdiv(tail, num_splits), BLOCK_N) * BLOCK_N
         t_lo = seq_len + s * tchunk
         t_hi = tl.minimum(t_lo + tchunk, N_max)

@@ -160,7 +160,8 @@ class StepPlan:
         sel_lens = torch.where(used, seq_lens[row_of], 0)
         # per-layer rows made once per step, so a layer indexes them (no launch per layer)
         return Rows(on=on, slow=slow, dense=dense, need=need.any(0), need_l=need.t().contiguous(),
-                    any_slow=slow.any(), deferred=self.policy.deferred[slots] & device, score_row=score_row, sel_slots=sel_slots, sel_lens=sel_lens,
+                    any_slow=slow.any(), deferred=self.policy.deferred[slots] & device,
+                    score_row=score_row, sel_slots=sel_slots, sel_lens=sel_lens,
                     sel_l=slow_l[:, row_of] & used[None, :])
 
 
@@ -212,7 +213,7 @@ class ScoreBuffers:
     made once, at the backend's start, and never replaced (a CUDA graph holds no reference
     to the tensors it writes): `rows` of them for one layer at a time (a decode step's
     score rows: its slow rows, at most SFIConfig.max_slow_rows, else at most one per
-    request slot; StepPlan.score_rows), and, for the batched
+    request slot; `score_rows`), and, for the batched
     Selector of a step's every sparse layer, as many rows as fit SELECT_BATCH_BYTES. SGLang's
     KV budget sets their bytes aside (`reserve_bytes`, hooks._reserve_sfi_memory), so a full
     pool under load cannot run the device out of memory at a slow step."""
