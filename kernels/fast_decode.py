@@ -67,7 +67,7 @@ def _attend_slots(q, K_cache, V_cache, slot, mask_n, mask_d, offs_d, h, stride_k
 def _fast_decode_kernel(
     Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Win_start,
     Packed_k, Packed_v, Packed_len, qk_scale_log2,
-    Out, Mid_o, Mid_lse, Counters, Lse, Holes,
+    Out, Mid_o, Mid_lse, Counters, Lse, Holes, Row_of,
     stride_qb, stride_qh,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     stride_rt,
@@ -76,13 +76,15 @@ def _fast_decode_kernel(
     stride_ob, stride_oh, stride_hr, stride_hh, hole_base,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-    WRITE_LSE: tl.constexpr, LISTED: tl.constexpr, HOLES: tl.constexpr,
+    WRITE_LSE: tl.constexpr, LISTED: tl.constexpr, HOLES: tl.constexpr, ROW_OF: tl.constexpr,
 ):
     # LISTED: Packed_k is the layer's sel_pos [slots, H_kv, K] int32 (strides pkr, pkh; -1
     # reads nothing) and Packed_v the slots' n_sinks [slots] int32
     # HOLES (packed): packed entry e >= hole_base is valid only where Holes[pool, h,
     # e - hole_base] >= 0 (the layer's sel_pos: a whole-page selection's -1 entries inside
     # its count hold stale rows)
+    # ROW_OF: the memory (Packed_k/v, the LISTED sel_pos, Holes) is indexed by memory row,
+    # Row_of[pool]; the per-slot state (Packed_len, n_sinks) and Req_to_token by pool slot
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -90,6 +92,10 @@ def _fast_decode_kernel(
     num_splits = tl.num_programs(2)
 
     pool = tl.load(Req_pool_indices + b).to(tl.int64)
+    if ROW_OF:
+        mrow = tl.load(Row_of + pool).to(tl.int64)
+    else:
+        mrow = pool
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
     ws = tl.maximum(tl.load(Win_start + b).to(tl.int32), 0)
     lp = tl.load(Packed_len + pool).to(tl.int32)
@@ -116,7 +122,7 @@ def _fast_decode_kernel(
     # positions sinks then sel_pos, read in place
     p_hi = tl.minimum(end, lp)
     if LISTED:
-        sp_base = Packed_k + pool * stride_pkr + h * stride_pkh
+        sp_base = Packed_k + mrow * stride_pkr + h * stride_pkh
         rt_row = Req_to_token + pool * stride_rt
         ns = tl.load(Packed_v + pool).to(tl.int32)
         for n0 in range(start, p_hi, BLOCK_N):
@@ -129,13 +135,13 @@ def _fast_decode_kernel(
             m_i, l_i, acc = _attend_slots(q, K_cache, V_cache, slot, mask_n, mask_d, offs_d, h, stride_kcs,
                                           stride_kch, stride_vcs, stride_vch, m_i, l_i, acc, qk_scale_log2, IEEE)
     else:
-        pk_base = Packed_k + pool * stride_pkr + h * stride_pkh
-        pv_base = Packed_v + pool * stride_pvr + h * stride_pvh
+        pk_base = Packed_k + mrow * stride_pkr + h * stride_pkh
+        pv_base = Packed_v + mrow * stride_pvr + h * stride_pvh
         for n0 in range(start, p_hi, BLOCK_N):
             offs_n = n0 + offs_nb
             mask_n = offs_n < p_hi
             if HOLES:
-                sel = tl.load(Holes + pool * stride_hr + h * stride_hh + (offs_n - hole_base),
+                sel = tl.load(Holes + mrow * stride_hr + h * stride_hh + (offs_n - hole_base),
                               mask=mask_n & (offs_n >= hole_base), other=0)
                 mask_n = mask_n & (sel >= 0)
             mkd = mask_n[:, None] & mask_d[None, :]
@@ -210,7 +216,7 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
                 packed_k, packed_v, packed_len, sm_scale, out=None, num_splits=None,
                 max_window=None, block_n=None, num_warps=None, num_stages=None,
                 fused_reduce=None, counters=None, lse_out=None, sel_pos=None, n_sinks=None,
-                holes=None, hole_base=0):
+                holes=None, hole_base=0, row_of=None):
     """SFI fast-step attention. q [B,H_q,D]; k_cache/v_cache [slots,H_kv,D];
     packed_k/packed_v [max_reqs,H_kv,P,D]. Returns out [B,H_q,D] (q.dtype).
     sel_pos [max_reqs,H_kv,K] int32 and n_sinks [max_reqs] int32 instead of packed_k and
@@ -220,6 +226,8 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
     e >= hole_base (the sinks S) is read only where holes[pool, h, e - hole_base] >= 0, so
     a selection with fewer valid positions in a head than its count (whole pages at the
     candidates' edges) reads no stale packed row.
+    row_of [max_reqs] int32, optional: packed_k/packed_v, sel_pos and holes hold memory rows,
+    slot p's at row row_of[p] (SparseMemory's rows); packed_len and n_sinks stay per slot.
 
     num_splits: split-K count; None chooses it from the work size (P + max_window,
     max_window defaulting to 512) and the SM count, without reading device values, so
@@ -243,7 +251,7 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
         return ref_fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                                win_start, packed_k, packed_v, packed_len, sm_scale, out=out,
                                lse_out=lse_out, sel_pos=sel_pos, n_sinks=n_sinks, holes=holes,
-                               hole_base=hole_base)
+                               hole_base=hole_base, row_of=row_of)
     listed = sel_pos is not None
     assert not (listed and holes is not None), "holes: the packed path's (sel_pos masks itself)"
     if holes is not None:
@@ -283,7 +291,7 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, win_start,
         packed_k, packed_v, packed_len, float(sm_scale) * LOG2E,
         out, mid_o, mid_lse, counters, lse_out if lse_out is not None else mid_lse,
-        holes if holes is not None else seq_lens,
+        holes if holes is not None else seq_lens, row_of if row_of is not None else seq_lens,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0),
@@ -293,6 +301,7 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
         *((holes.stride(0), holes.stride(1)) if holes is not None else (0, 0)), int(hole_base),
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, IEEE=ieee, FUSED_REDUCE=fused,
         WRITE_LSE=lse_out is not None, LISTED=listed, HOLES=holes is not None,
+        ROW_OF=row_of is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and not fused:

@@ -81,10 +81,10 @@ def lengths(req_pool_indices, seq_lens, fast_ws, packed_len, cap: int, num_kv_he
 
 @triton.jit
 def _lists_kernel(Q, Qrows, Req_to_token, Req_pool_indices, Len, Start, Win_start, N_sinks,
-                  Sel_pos, Sel_count, Indptr, Pages, B, stride_qb, stride_qh, stride_rt, stride_sp_slot,
+                  Sel_pos, Sel_count, Indptr, Pages, Row_of, B, stride_qb, stride_qh, stride_rt, stride_sp_slot,
                   stride_sp_h, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                   C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, BLOCK: tl.constexpr,
-                  HOLES: tl.constexpr, K: tl.constexpr):
+                  HOLES: tl.constexpr, K: tl.constexpr, ROW_OF: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     blk = tl.program_id(2)
@@ -94,7 +94,11 @@ def _lists_kernel(Q, Qrows, Req_to_token, Req_pool_indices, Len, Start, Win_star
     ns = tl.load(N_sinks + pool).to(tl.int32)
     plen = ns + tl.load(Sel_count + pool).to(tl.int32)
     ws = tl.load(Win_start + b).to(tl.int32)
-    sel_row = Sel_pos + pool * stride_sp_slot + h * stride_sp_h
+    if ROW_OF:  # Sel_pos by memory row
+        mrow = tl.load(Row_of + pool).to(tl.int64)
+    else:
+        mrow = pool
+    sel_row = Sel_pos + mrow * stride_sp_slot + h * stride_sp_h
     Lv = L
     if HOLES:  # whole pages: the head's trailing -1 entries read nothing (they close its region)
         holes = 0
@@ -130,14 +134,15 @@ def _lists_kernel(Q, Qrows, Req_to_token, Req_pool_indices, Len, Start, Win_star
 
 
 def build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start, n_sinks, sel_pos,
-                sel_count, indptr, pages, qrows, C: int, max_len: int, holes: bool = False):
+                sel_count, indptr, pages, qrows, C: int, max_len: int, holes: bool = False, row_of=None):
     """One layer's FlashInfer inputs: pages[start[b] + h * L[b] + i] = the KV page of entry i
     of (b, h)'s list (sinks, sel_pos[pool, h, :sel_count], window, as slot * H + h; L[b]
     entries), indptr of the B * H * R rows (row (b * H + h) * R + c, R = C), and qrows
     [B * H * R, G, D] = q [B, H * G, D] of the row's KV head. max_len >= max(L) (a host bound).
     holes (whole pages, --sfi-selection-page): a head's -1 entries (trailing: the Selector's
     pages are sorted, -1 padded) are left out of its list, whose C rows end that many entries
-    early; R = C + 1, the last row holding the rest of the region (its output unread)."""
+    early; R = C + 1, the last row holding the rest of the region (its output unread).
+    row_of [slots] int32, optional: sel_pos holds slot p's positions at row row_of[p]."""
     B, Hq, D = q.shape
     H = sel_pos.shape[1]
     if B == 0:
@@ -145,15 +150,16 @@ def build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start
     if not use_triton(q):
         from .reference import ref_build_lists
         ref_build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start, n_sinks,
-                        sel_pos, sel_count, indptr, pages, qrows, C, holes)
+                        sel_pos if row_of is None else sel_pos[row_of.long()], sel_count, indptr, pages,
+                        qrows, C, holes)
         return
     G, R = Hq // H, C + int(holes)
     grid = (B, H, max(1, triton.cdiv(max_len, BLOCK_PAGES)))
     _lists_kernel[grid](q, qrows, req_to_token, req_pool_indices, L, start, win_start, n_sinks,
-                        sel_pos, sel_count, indptr, pages, B, q.stride(0), q.stride(1),
+                        sel_pos, sel_count, indptr, pages, row_of if row_of is not None else L, B, q.stride(0), q.stride(1),
                         req_to_token.stride(0), sel_pos.stride(0), sel_pos.stride(1), H=H, G=G,
                         GP=next_pow2(G), D=D, C=C, R=R, CP=next_pow2(R), BLOCK=BLOCK_PAGES,
-                        HOLES=bool(holes), K=sel_pos.shape[2])
+                        HOLES=bool(holes), K=sel_pos.shape[2], ROW_OF=row_of is not None)
 
 
 @triton.jit
@@ -259,13 +265,13 @@ class FlashInferFastDecode:
         self.wrappers[B] = w
 
     def run(self, q, k_cache, v_cache, req_to_token, req_pool_indices, L, start, seq_lens, win_start,
-            n_sinks, sel_pos, sel_count, out=None, lse_out=None):
+            n_sinks, sel_pos, sel_count, out=None, lse_out=None, row_of=None):
         """q [B, H_q, D] -> [B, H_q, D] over each row's lists (L, start from `lengths`);
-        sel_pos [slots, H, K] of this layer. The wrapper of batch size B must be planned."""
+        sel_pos [slots, H, K] of this layer (by memory row: row_of). The wrapper of batch size B must be planned."""
         B, Hq, D = q.shape
         n = B * self.H * self.R
         build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start, n_sinks, sel_pos,
-                    sel_count, self.indptr, self.pages, self.qrows, self.C, self.cap, self.holes)
+                    sel_count, self.indptr, self.pages, self.qrows, self.C, self.cap, self.holes, row_of)
         kv = (k_cache.view(-1, 1, 1, D), v_cache.view(-1, 1, 1, D))
         self.wrappers[B].run(self.qrows[:n], kv, out=self.o_rows[:n], lse=self.lse_rows[:n], return_lse=True)
         if out is None:

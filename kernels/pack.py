@@ -74,13 +74,13 @@ def pack(k_cache, v_cache, req_to_token, req_pool_indices, positions, packed_k, 
 
 @triton.jit
 def _store_kernel(
-    K_cache, V_cache, Req_to_token, Slots, Rows, Positions, Cnt, Ws, Seq_lens,
+    K_cache, V_cache, Req_to_token, Slots, Rows, Positions, Cnt, Ws, Seq_lens, Row_of,
     Sel_pos, Sel_count, Win_start, N_sinks, Fast_ws, Packed_len, Packed_k, Packed_v,
     stride_kcs, stride_kch, stride_vcs, stride_vch, stride_rt,
     stride_pob, stride_poh, stride_spm, stride_sph,
     stride_pkr, stride_pkh, stride_pkp, stride_pvr, stride_pvh, stride_pvp,
     KP, S: tl.constexpr, K: tl.constexpr,
-    HAS_ROWS: tl.constexpr, HAS_LENS: tl.constexpr, PACK: tl.constexpr,
+    HAS_ROWS: tl.constexpr, HAS_LENS: tl.constexpr, PACK: tl.constexpr, ROW_OF: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     i = tl.program_id(0)
@@ -91,6 +91,10 @@ def _store_kernel(
         keep = tl.load(Rows + i) != 0
     if keep:
         pool = tl.load(Slots + i).to(tl.int64)
+        if ROW_OF:  # Sel_pos and the packed buffers by memory row, the rest by slot
+            mrow = tl.load(Row_of + pool).to(tl.int64)
+        else:
+            mrow = pool
         cnt = tl.load(Cnt + i).to(tl.int32)
         if HAS_LENS:
             ns = tl.minimum(tl.load(Seq_lens + i), S).to(tl.int32)
@@ -101,7 +105,7 @@ def _store_kernel(
         in_k = (k >= 0) & (k < K)
         sel = tl.load(Positions + i * stride_pob + h * stride_poh + k, mask=in_k & (k < KP), other=-1)
         sel = tl.where(k < cnt, sel, -1).to(tl.int32)
-        tl.store(Sel_pos + pool * stride_spm + h * stride_sph + k, sel, mask=in_k)
+        tl.store(Sel_pos + mrow * stride_spm + h * stride_sph + k, sel, mask=in_k)
         if PACK:
             pos = tl.where(offs_p < S, tl.where(offs_p < ns, offs_p, -1), sel)
             offs_d = tl.arange(0, BLOCK_D)
@@ -110,9 +114,9 @@ def _store_kernel(
             m = valid[:, None] & (offs_d < D)[None, :]
             kk = tl.load(K_cache + slot[:, None] * stride_kcs + h * stride_kch + offs_d[None, :], mask=m)
             vv = tl.load(V_cache + slot[:, None] * stride_vcs + h * stride_vch + offs_d[None, :], mask=m)
-            tl.store(Packed_k + pool * stride_pkr + h * stride_pkh + offs_p[:, None] * stride_pkp
+            tl.store(Packed_k + mrow * stride_pkr + h * stride_pkh + offs_p[:, None] * stride_pkp
                      + offs_d[None, :], kk.to(Packed_k.dtype.element_ty), mask=m)
-            tl.store(Packed_v + pool * stride_pvr + h * stride_pvh + offs_p[:, None] * stride_pvp
+            tl.store(Packed_v + mrow * stride_pvr + h * stride_pvh + offs_p[:, None] * stride_pvp
                      + offs_d[None, :], vv.to(Packed_v.dtype.element_ty), mask=m)
         if (h == 0) & (pb == 0):
             ws = tl.load(Ws + i).to(tl.int64)
@@ -125,7 +129,7 @@ def _store_kernel(
 
 def store_selection(k_cache, v_cache, req_to_token, slots, positions, sel_count, win_start,
                     seq_lens, rows, sinks, sel_pos, sel_count_buf, win_start_buf, n_sinks_buf,
-                    fast_ws_buf, packed_len, packed_k, packed_v, num_warps=None):
+                    fast_ws_buf, packed_len, packed_k, packed_v, num_warps=None, row_of=None):
     """A slow step's record of one layer in one launch (SparseMemory.store's packed path):
     for each row i of `slots` [b] (int64; only where rows [b] bool holds, if given):
       sel_pos[slot, h, :]  = positions[i, h, :sel_count[i]] then -1 (positions [b, H, K'],
@@ -134,7 +138,9 @@ def store_selection(k_cache, v_cache, req_to_token, slots, positions, sel_count,
                              (packed_k None: nothing packed, the "triton-pool" fast path),
       sel_count, win_start, n_sinks = min(seq_len, S) (S without seq_lens), fast_ws
       (= n_sinks if < S else max(win_start, S)), packed_len = n_sinks + sel_count.
-    sel_count [b], win_start [b], seq_lens [b] or None: device int tensors. No host sync."""
+    sel_count [b], win_start [b], seq_lens [b] or None: device int tensors. row_of [slots]
+    int32, optional: sel_pos and the packed buffers hold slot p's memory at row row_of[p].
+    No host sync."""
     b, H, KP = positions.shape
     if b == 0:
         return
@@ -150,11 +156,12 @@ def store_selection(k_cache, v_cache, req_to_token, slots, positions, sel_count,
     _store_kernel[grid](
         k_cache, v_cache, req_to_token, slots, rows if rows is not None else slots, positions,
         sel_count, win_start, seq_lens if seq_lens is not None else slots,
-        sel_pos, sel_count_buf, win_start_buf, n_sinks_buf, fast_ws_buf, packed_len,
+        row_of if row_of is not None else slots, sel_pos, sel_count_buf, win_start_buf, n_sinks_buf, fast_ws_buf, packed_len,
         packed_k if pack else k_cache, packed_v if pack else v_cache,
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), positions.stride(0), positions.stride(1),
         sel_pos.stride(0), sel_pos.stride(1), *pk_strides, *pv_strides,
         KP, S=int(sinks), K=K, HAS_ROWS=rows is not None, HAS_LENS=seq_lens is not None, PACK=pack,
+        ROW_OF=row_of is not None,
         D=D, BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P, num_warps=num_warps or 4,
     )

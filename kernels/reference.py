@@ -36,13 +36,17 @@ def _finish(result, out):
 def ref_fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, win_start,
                     packed_k, packed_v, packed_len, sm_scale, out=None,
                     compute_dtype=torch.float64, lse_out=None, sel_pos=None, n_sinks=None, holes=None,
-                    hole_base=0, **_ignored):
+                    hole_base=0, row_of=None, **_ignored):
     """Attention of q over packed[pool, h, :packed_len[pool]] + window [win_start, seq_len);
     with sel_pos [slots, H_kv, K] and n_sinks [slots] instead of the packed buffers, over
     the positions [0, n_sinks) then sel_pos[pool, h, :packed_len - n_sinks] (-1: none),
     read through req_to_token. holes [slots, H_kv, K] (packed buffers): packed entry
     e >= hole_base counts only where holes[pool, h, e - hole_base] >= 0. lse_out [B, H_q]:
-    each head's log-sum-exp of its logits (-inf for an empty memory)."""
+    each head's log-sum-exp of its logits (-inf for an empty memory). row_of [slots]: the
+    memory (packed buffers, sel_pos, holes) holds slot p's at row row_of[p]."""
+    if row_of is not None:  # the memory seen per slot
+        packed_k, packed_v, sel_pos, holes = (None if t is None else t[row_of.long()]
+                                              for t in (packed_k, packed_v, sel_pos, holes))
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv

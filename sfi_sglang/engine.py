@@ -119,9 +119,11 @@ def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict
         if cfg.dense_backend != "auto" and not has_gpu():
             raise ValueError(f"--sfi-dense-backend {cfg.dense_backend} needs a CUDA GPU; the CPU engine "
                              "runs torch_native (leave it at auto)")
-        # Each request slot holds SFI's sparse memory (on CUDA ~0.3 GB for Qwen3-4B at the
-        # default budget, SparseMemory.slot_bytes); SGLang's default is 2048+ slots.
-        out.setdefault("max_running_requests", SFI_MAX_RUNNING_REQUESTS)
+        # Without --sfi-memory-rows each request slot holds SFI's sparse memory (on CUDA ~0.3
+        # GB for Qwen3-4B at the default budget, SparseMemory.footprint); SGLang's default is
+        # 2048+ slots. With memory rows a slot costs a few bytes and SGLang's default holds.
+        if not cfg.memory_rows:
+            out.setdefault("max_running_requests", SFI_MAX_RUNNING_REQUESTS)
         out.setdefault("triton_attention_num_kv_splits", SFI_TRITON_KV_SPLITS)
         if not out.get("disable_radix_cache"):  # shared prefixes share SFI memories
             out.setdefault("radix_cache_backend", "sfi")

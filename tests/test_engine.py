@@ -239,18 +239,24 @@ def test_cpu_dense_extend_after_a_prefix_is_sglangs_to_the_bit():
     assert (got - want).abs().max() <= 4 * torch.finfo(dtype).eps * want.abs().max()
 
 
-def test_dense_below_runs_short_batches_dense_then_refreshes(dense, prompts, tokenizer):
+@pytest.fixture(scope="module")
+def below_engine(dense, prompts, tokenizer):
+    """An engine with --sfi-dense-below (decode step j of the long prompt alone has n0 + j
+    tokens: steps 1..11 hold fewer than n0 - S - W - K + 12 beyond) and one memory row;
+    started after the dense engine's references (one engine at a time: SGLang's subprocess
+    watchdog of an engine shut down beside another one signals the test process)."""
+    n0 = len(tokenizer.encode(prompts["long"]))
+    engine = start_engine(**SFI, sfi_dense_below=n0 - CFG.memory_tokens() + 12, sfi_memory_rows=1)
+    yield engine
+    engine.shutdown()
+
+
+def test_dense_below_runs_short_batches_dense_then_refreshes(below_engine, dense, prompts):
     """--sfi-dense-below: a step whose batch holds fewer tokens beyond S + W + K than the
     threshold runs the dense backend alone (dense's tokens, counted as dense steps); a
     request's first SFI step after them is slow (its memory is behind), then it runs fast."""
-    n0 = len(tokenizer.encode(prompts["long"]))
-    # decode step j has n0 + j tokens: steps 1..11 hold fewer than n0 - S - W - K + 12 beyond
-    engine = start_engine(**SFI, sfi_dense_below=n0 - CFG.memory_tokens() + 12)
-    try:
-        out = engine.generate(prompts["long"], {**GREEDY, "max_new_tokens": 64, "ignore_eos": True})
-        fit = engine.generate(prompts["fit"][1], {**GREEDY, "max_new_tokens": FIT_NEW})
-    finally:
-        engine.shutdown()
+    out = below_engine.generate(prompts["long"], {**GREEDY, "max_new_tokens": 64, "ignore_eos": True})
+    fit = below_engine.generate(prompts["fit"][1], {**GREEDY, "max_new_tokens": FIT_NEW})
     ids, sfi = out["output_ids"], out["meta_info"]["sfi"]
     n_dense = sfi["dense_steps"]
     assert 8 <= n_dense <= 14, sfi
@@ -262,6 +268,28 @@ def test_dense_below_runs_short_batches_dense_then_refreshes(dense, prompts, tok
     sfi = fit["meta_info"]["sfi"]
     assert sfi["dense_steps"] == len(fit["output_ids"]) - 1 and sfi["fast_steps"] == sfi["slow_steps"] == 0
     assert fit["output_ids"] == dense["fit_single"][1]
+
+
+def test_a_request_without_a_memory_row_runs_dense_until_one_is_free(below_engine, dense, prompts, tokenizer):
+    """--sfi-memory-rows 1: of two long requests started together, the first takes the
+    row and runs SFI; the second runs dense (dense's tokens, counted as dense steps) until
+    the first ends and SGLang frees its slot, then takes the row, runs a slow step (its
+    first selection) and fast steps. The row is free again after both end."""
+    other = chat_prompt(tokenizer, long_text(tokenizer, 900, start=9) + "\n\nWhat is this about?")
+    sp = {**GREEDY, "ignore_eos": True}
+    first, second = below_engine.generate([other, prompts["long"]], [{**sp, "max_new_tokens": 16},
+                                                                     {**sp, "max_new_tokens": 48}])
+    a, b = first["meta_info"]["sfi"], second["meta_info"]["sfi"]
+    assert a.get("dense_steps", 0) == 0 and a["fast_steps"] + a["slow_steps"] == 15, a
+    waited = b["dense_steps"]
+    assert 14 <= waited <= 17, b  # while the first ran (its 15 decode steps), give or take a step
+    assert b["slow_at"][0] == waited + 1 and b["fast_steps"] + b["slow_steps"] + waited == 47, b
+    assert second["output_ids"][:waited + 2] == dense["long"][:waited + 2]
+    # the next forward gives the row back (SGLang freed the slot); a short request takes none
+    fit = below_engine.generate(prompts["fit"][0], {**GREEDY, "max_new_tokens": 4})
+    assert fit["meta_info"]["sfi"]["dense_steps"] == 3
+    memory = below_engine.get_server_info()["internal_states"][0]["sfi"]["memory"]
+    assert memory["rows"] == 1 and memory["rows_free"] == 1, memory
 
 
 def test_dense_below_graph_variants(engine, model_path):

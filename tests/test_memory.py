@@ -277,7 +277,7 @@ def test_reset_store_and_bytes():
     Hkv, D = 2, 8
     mem = SparseMemory(3, [1, 2], 5, Hkv, D, CFG, DEV, torch.float16, packed=False)
     L, M, K = 2, 5, CFG.budget
-    assert mem.bytes() == L * M * Hkv * K * 4 + M * 4 + M * 8 + M * 4 + M * 8 + M * 4 * 8
+    assert mem.bytes() == L * M * Hkv * K * 4 + M * 4 + M * 4 + M * 8 + M * 4 + M * 8 + M * 4 * 8
     st, gen = make_pool([70, 30], Hkv, 1, D, max_slots=5)
     pos, cnt, ws = selection(CFG, [70, 30], Hkv, gen, k=5)
     mem.store(2, st["rpi"], pos, cnt, ws, st["k"], st["v"], st["rtt"])
@@ -293,9 +293,14 @@ def test_reset_store_and_bytes():
     pool_cfg = CFG.replace(fast_path="triton-pool")
     pool = SparseMemory(3, [1, 2], 5, Hkv, D, pool_cfg, DEV, torch.float16, packed=True)
     assert pool.bytes() == mem.bytes() + M * 4 and not pool.packed_k
-    # slot_bytes (what SGLang's budget sets aside, sfi_sglang.integration.hooks) is the allocation per slot
+    # footprint (what SGLang's budget sets aside, sfi_sglang.integration.hooks) is the allocation
     for m, cfg, packed in ((mem, CFG, False), (pk, CFG, True), (pool, pool_cfg, True)):
-        assert m.bytes() == M * SparseMemory.slot_bytes(L, Hkv, D, cfg, torch.float16, packed)
+        assert m.bytes() == SparseMemory.footprint(L, Hkv, D, cfg, torch.float16, packed, M)
+    # memory rows: the selections and packed K/V of rows + 1 rows, whatever the slots
+    many = SparseMemory(3, [1, 2], 50, Hkv, D, CFG, DEV, torch.float16, packed=True, rows=4)
+    row = L * Hkv * K * 4 + 2 * L * Hkv * (CFG.sinks + K) * D * 2
+    assert many.bytes() == 5 * row + 50 * (4 + 4 + 8 + 4 + 8 + 4 * 8 + 4)
+    assert many.bytes() == SparseMemory.footprint(L, Hkv, D, CFG, torch.float16, True, 50, rows=4)
 
 
 def test_kv_budget_sets_aside_sparse_memory_and_key_norms():
@@ -303,12 +308,12 @@ def test_kv_budget_sets_aside_sparse_memory_and_key_norms():
     from sfi_sglang.method.memory import kv_budget
 
     L, H, D, slots = 4, 2, 16, 3
-    per_slot = SparseMemory.slot_bytes(L, H, D, CFG, torch.bfloat16, True)
+    per_slot = SparseMemory.footprint(L, H, D, CFG, torch.bfloat16, True, 1)
     kv_cell, norm_cell = 2 * L * H * D * 2, L * H * 4
     avail = (slots + 1) * per_slot + 1000 * (kv_cell + norm_cell)
     left = kv_budget(avail, L, H, D, CFG, torch.bfloat16, True, slots)
     assert left == 1000 * kv_cell  # 1000 tokens of K/V, and their key norms beside them
-    with pytest.raises(SFIConfigError, match="lower --max-running-requests"):
+    with pytest.raises(SFIConfigError, match="lower --sfi-memory-rows"):
         kv_budget((slots + 1) * per_slot, L, H, D, CFG, torch.bfloat16, True, slots)
 
 
@@ -340,9 +345,10 @@ def test_score_buffers_are_made_once_and_set_aside_from_the_kv_budget(monkeypatc
     big = ScoreBuffers.reserve_bytes(step.score_rows(65, 0), 34, 32, 131072 + 4, True)
     assert big == 65 * 32 * (131072 + 4) * 4
     assert step.score_rows(65, SFIConfig().max_slow_rows) == 8 and step.score_rows(3, 8) == 3
+    assert step.score_rows(65, 0, 5) == 5 and step.score_rows(65, 8, 5) == 5 and step.score_rows(3, 0, 5) == 3
     L, H, D, slots = 4, 2, 16, 3
     kv_cell, norm_cell = 2 * L * H * D * 2, L * H * 4
-    mem = (slots + 1) * SparseMemory.slot_bytes(L, H, D, CFG, torch.bfloat16, True)
+    mem = SparseMemory.footprint(L, H, D, CFG, torch.bfloat16, True, slots + 1)
     scores = sb.bytes()
     avail = mem + scores + 1000 * (kv_cell + norm_cell)
     assert kv_budget(avail, L, H, D, CFG, torch.bfloat16, True, slots, scores) == 1000 * kv_cell
@@ -452,6 +458,45 @@ def test_kernel_store_is_the_reference_store_in_one_launch():
             tok = st["rtt"][slot, p].long()
             assert torch.equal(ker.packed_k[0][slot, h, :ns + c], st["k"][tok, h])
             assert torch.equal(ker.packed_v[0][slot, h, :ns + c], st["v"][tok, h])
+
+
+@kernel_test
+@pytest.mark.parametrize("fast_path,packed,page", [("triton", False, 1), ("triton", True, 1),
+                                                   ("triton-pool", True, 1), ("triton", True, 4)])
+def test_memory_rows_hold_what_the_slots_held(fast_path, packed, page):
+    """With memory rows (`rows`: fewer than the slots, given by the host in any order),
+    each path stores, attends and exports a slot's memory as a memory of one row per slot
+    does, bit for bit; a slot gets no row when none is free, and a row taken back and given
+    to another slot comes back empty."""
+    Hkv, G, D = 2, 3, 16
+    cfg = SFIConfig(sinks=4, window=8, budget=12, dense_layers=(), fast_path=fast_path, selection_page=page)
+    n_sel, t = [60, 52, 40, 17], [66, 52, 44, 20]
+    st, gen = make_pool(t, Hkv, G, D)
+    slots = st["rpi"].tolist()
+    flat = SparseMemory(2, [1], 8, Hkv, D, cfg, DEV, torch.float32, packed=packed)
+    rowed = SparseMemory(2, [1], 8, Hkv, D, cfg, DEV, torch.float32, packed=packed, rows=len(slots))
+    assert rowed.sel_pos.shape[1] == len(slots) + 1 and flat.sel_pos.shape[1] == 8
+    for slot in reversed(slots):  # rows in another order than the slots
+        assert not rowed.rows.has(slot) and rowed.give_row(slot) and rowed.rows.has(slot)
+    spare = next(s for s in range(1, 8) if s not in slots)
+    assert not rowed.give_row(spare) and rowed.rows.free == 0  # all rows held
+    pos, cnt, ws = selection(cfg, n_sel, Hkv, gen, k=9)
+    lens = torch.tensor(n_sel, device=DEV)
+    for m in (flat, rowed):
+        m.reset(st["rpi"])
+        m.store(1, st["rpi"], pos, cnt, ws, st["k"], st["v"], st["rtt"], seq_lens=lens)
+    args = (st["q"], st["k"], st["v"], st["rtt"], st["rpi"], st["seq_lens"], D ** -0.5)
+    out = [m.attend_fast(1, *args, out=torch.full_like(st["q"], float("nan"))) for m in (flat, rowed)]
+    assert torch.isfinite(out[0]).all() and torch.equal(out[0], out[1])
+    for slot in slots:
+        a, b = flat.export(slot), rowed.export(slot)
+        assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+        assert torch.equal(flat.held(1, slot)[0], rowed.held(1, slot)[0])
+    # a row taken back and given to another slot: that slot's memory starts empty
+    rowed.rows.take(slots[0])
+    assert rowed.rows.free == 1 and not rowed.rows.has(slots[0]) and rowed.give_row(spare)
+    assert int(rowed.sel_count[spare]) == 0 and (rowed.export(spare)[0] == -1).all()
+    assert int(rowed.rows.row_of[slots[0]]) == 0
 
 
 @kernel_test

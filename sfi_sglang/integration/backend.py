@@ -97,11 +97,13 @@ class SFIAttnBackend(AttentionBackend):
         self.memory = SparseMemory(self.num_layers, range(self.num_layers), max_slots,
                                    k0.shape[1], k0.shape[2], cfg, k0.device, k0.dtype,
                                    q_dtype=getattr(mc, "dtype", k0.dtype),
-                                   group=max(1, self.num_q_heads // k0.shape[1]))
+                                   group=max(1, self.num_q_heads // k0.shape[1]),
+                                   rows=cfg.memory_rows or None)
         self.memory.fast_ws[0] = NO_WINDOW  # slot 0: SGLang's padding rows
         self.norms = KeyNorms(self.num_layers, k0.shape[0], k0.shape[1], k0.device)
         self.policy = _trigger_policy(model_runner, cfg, max_slots, self.device)
-        self.step = StepPlan(self.policy, max_slots, self.num_layers, self.device, cfg.max_slow_rows)
+        self.step = StepPlan(self.policy, max_slots, self.num_layers, self.device, cfg.max_slow_rows,
+                             cfg.memory_rows)
         self.sparse_ids = cfg.sparse_layers(self.num_layers)
         self._sparse_index = {lid: i for i, lid in enumerate(self.sparse_ids)}
         self.selection = Selection(cfg, self.memory, self.norms, self._kv, r2t, self.sparse_ids)
@@ -109,7 +111,8 @@ class SFIAttnBackend(AttentionBackend):
                                        k0.device, on=cfg.refresh == "adaptive")
         self.host = HostPath(self.memory, self.policy, self.step, self.selection, self.monitor)
         self.slots = Slots(cfg, self.memory, self.step, self.policy, self._kv, r2t, self.num_layers)
-        self.scores = ScoreBuffers(k0.device, self.memory.packed, score_rows(max_slots, cfg.max_slow_rows),
+        self.scores = ScoreBuffers(k0.device, self.memory.packed,
+                                   score_rows(max_slots, cfg.max_slow_rows, cfg.memory_rows),
                                    len(self.sparse_ids),
                                    self.num_q_heads, r2t.shape[1], batched=cfg.method == "sfi")
         self.meta = StepMetadata()
@@ -191,6 +194,7 @@ class SFIAttnBackend(AttentionBackend):
         self.meta = meta = StepMetadata()
         mode = forward_batch.forward_mode
         if mode.is_decode():
+            self.slots.claim_rows(forward_batch)  # memory rows for requests that wait for one
             if not self.memory.packed:  # the torch reference's length: host data (SGLang's)
                 lens = getattr(forward_batch, "seq_lens_cpu", None)
                 lens = forward_batch.seq_lens if lens is None else lens
@@ -254,7 +258,8 @@ class SFIAttnBackend(AttentionBackend):
         meta = self.meta
         slots = forward_batch.req_pool_indices
         if meta.dense_step:  # the layers run the dense backend alone (forward_decode)
-            on = self.step.sfi[slots.to(torch.int64)] & (slots != 0)
+            s64 = slots.to(torch.int64)
+            on = (self.step.sfi[s64] | self.step.waits[s64]) & (slots != 0)
             self.step.skip(slots)
             self.memory.count_steps(slots, torch.zeros_like(on), torch.zeros_like(on), on)
             meta.rows = None
@@ -277,7 +282,8 @@ class SFIAttnBackend(AttentionBackend):
             rows.need = rows.need | over.any()
         if meta.extra_rows is not None:
             self.policy.mark_pending(slots, meta.extra_rows, rows.slow)
-        self.memory.count_steps(slots, fast, rows.slow, over, rows.deferred)
+        waits = self.step.waits[slots.to(torch.int64)]  # SFI rows without a memory row: dense
+        self.memory.count_steps(slots, fast, rows.slow, waits if over is None else over | waits, rows.deferred)
         meta.win_start = self.memory.step_window_start(slots)
         batched = self.selection.side_stream is None
         meta.layer_scores = self.scores.step(rows.sel_slots.shape[0]) if batched else None

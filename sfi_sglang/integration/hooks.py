@@ -16,6 +16,7 @@ TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 SAMPLING_PARAMS = "sglang.srt.sampling.sampling_params.SamplingParams"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+REQ_TO_TOKEN_POOL = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 DP_CONTROLLER = "sglang.srt.managers.data_parallel_controller.DataParallelController"
 DECODE_GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
@@ -62,6 +63,7 @@ def install() -> None:
     SchedulerOutputStreamer.has_additional_customized_info = True
     HookRegistry.register(f"{KV_CONFIGURATOR}._profile_available_bytes", _reserve_sfi_memory,
                           HookType.AROUND)
+    HookRegistry.register(f"{REQ_TO_TOKEN_POOL}.free_rows", _release_sfi_rows, HookType.AFTER)
     HookRegistry.register(f"{MODEL_RUNNER}.maybe_enable_batch_invariant_mode",
                           _batch_invariant_mode, HookType.AROUND)
     HookRegistry.register(f"{DP_CONTROLLER}.event_loop", _dp_controller_sleeps_on_idle, HookType.AROUND)
@@ -171,16 +173,16 @@ def _reserve_sfi_memory(original, self, *args, **kwargs):
         from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
 
         width = mc.context_len + get_req_to_token_extra_context_len()
-        scores = ScoreBuffers.reserve_bytes(score_rows(slots + 1, cfg.max_slow_rows),
+        scores = ScoreBuffers.reserve_bytes(score_rows(slots + 1, cfg.max_slow_rows, cfg.memory_rows),
                                             len(cfg.sparse_layers(num_layers)),
                                             max(1, mc.num_attention_heads // sa.tp_size),
                                             width, batched=cfg.method == "sfi")
     kv_heads = mc.get_num_kv_heads(sa.tp_size)
     budget = kv_budget(available, num_layers, kv_heads, mc.head_dim, cfg, self.kv_cache_dtype, packed,
                        slots, scores, group=max(1, mc.num_attention_heads // sa.tp_size // kv_heads),
-                       q_dtype=getattr(mc, "dtype", None))
+                       q_dtype=getattr(mc, "dtype", None), rows=cfg.memory_rows or None)
     MEMORY.update(available=int(available), kv_budget=budget, reserved=int(available) - budget,
-                  scores=scores, slots=slots + 1,
+                  scores=scores, slots=slots + 1, rows=cfg.memory_rows or slots + 1,
                   # SFI's KV pool against the one dense SGLang would size from the same bytes
                   pool_of_dense=round(budget / available, 4) if available > 0 else None)
     return budget
@@ -188,6 +190,16 @@ def _reserve_sfi_memory(original, self, *args, **kwargs):
 
 # this scheduler's SFI memory reservation (_reserve_sfi_memory), reported by _add_sfi_state
 MEMORY: dict = {}
+
+
+def _release_sfi_rows(result, self, indices, *args, **kwargs):
+    """SGLang freed request slots (a request finished, was aborted or retracted): the `sfi`
+    backend gives their memory rows back (--sfi-memory-rows). ReqToTokenPool tells its
+    users of the slots it gives out (register_on_alloc_rows), not of those it takes back."""
+    slots = getattr(self, "sfi_slots", None)
+    if slots is not None:
+        slots.on_free_rows(indices)
+    return result
 
 
 def _no_dual_gemm_without_cutlass(original, self, *args, **kwargs):
@@ -379,7 +391,8 @@ def _add_sfi_state(result, self, *args, **kwargs):
     be = state.active()
     if be is not None:  # what the backend allocated against what was reserved for it
         memory.update(allocated=be.memory.bytes() + be.norms.bytes() + be.scores.bytes(),
-                      allocated_scores=be.scores.bytes(), allocated_slots=be.memory.max_slots)
+                      allocated_scores=be.scores.bytes(), allocated_slots=be.memory.max_slots,
+                      rows_free=be.memory.rows.free, rows_waiting=be.slots.waiting)
     result.internal_state[META_KEY] = {**radix.stats(), "memory": memory,
                                        "requests": _request_maps(),
                                        # every TP rank's summary (a collective over the TP group:

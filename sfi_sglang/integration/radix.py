@@ -76,7 +76,7 @@ class NodeMemory:
 _NOT_SELECTION = frozenset({"window", "min_gap", "cooldown", "max_interval", "refresh",
                             "adaptive_threshold", "boundaries", "fast_path", "topup_pages",
                             "topup_every", "dense_backend", "dense_below",
-                            "max_slow_rows"})
+                            "max_slow_rows", "memory_rows"})
 
 
 def compat_key(cfg: SFIConfig) -> tuple:

@@ -77,6 +77,11 @@ class Slots:
         # then rid -> (record, history) until they resume or finish (see suspend)
         self._retracted: list[tuple[str, int, Request]] = []
         self.suspended: dict[str, tuple[Request, dict]] = {}
+        # memory rows (SFIConfig.memory_rows): slots whose SFI request waits for a row ->
+        # the context length past which it takes one; slots SGLang freed (their rows are
+        # given back at the next forward, on the forward stream)
+        self._waiting: dict[int, int] = {}
+        self._freed: list[int] = []
 
     # ------------------------------------------------------------------ SGLang's events
     def on_alloc_rows(self, slots) -> None:
@@ -85,6 +90,11 @@ class Slots:
         self._resets.extend(int(s) for s in slots)
         for slot in slots:
             self.requests.pop(slot, None)
+
+    def on_free_rows(self, slots) -> None:
+        """SGLang freed these slots (scheduler, host; hooks._release_sfi_rows): their memory
+        rows are given back at the next forward (begin_forward)."""
+        self._freed.extend(int(s) for s in slots)
 
     def suspend(self, rid: str, slot: int) -> None:
         """SGLang retracted the request in `slot` (radix: released unfinished). Its KV is
@@ -106,15 +116,30 @@ class Slots:
             self.suspended[rid] = (req, {**self.step.history(slot), "counts": self.memory.counts[slot].clone(),
                                          "fired": self.fired(slot)})
         self._retracted.clear()
+        freed, self._freed = self._freed, []
+        for slot in freed:
+            self.memory.rows.take(slot)
+            self._waiting.pop(slot, None)
 
     # ------------------------------------------------------------------ starts
-    def start(self, slot: int, req: Request) -> None:
-        """Host: a request's record and its slot's device state (memory, step plan, policy)."""
+    def start(self, slot: int, req: Request, seq_len: Optional[int] = None) -> None:
+        """Host: a request's record and its slot's device state (memory, step plan, policy).
+        With memory rows, an SFI request whose context (seq_len) is past sinks + window +
+        budget takes a row now; one that gets none runs dense and waits (claim_rows)."""
         self.requests[slot] = req
+        self.memory.rows.take(slot)  # the slot's last request is gone
+        self._waiting.pop(slot, None)
         self.memory.reset([slot])
         req.host = req.enabled and not on_device_path(req.cfg, self.cfg)
-        device_sfi = req.enabled and not req.host
-        self.step.start(slot, device_sfi, req.cfg.dense_layers)
+        if req.host and not self.memory.give_row(slot):  # host-path methods keep no waiting state
+            req.enabled = req.host = False
+        need = req.cfg.memory_tokens()
+        waits = (req.enabled and not req.host and not self.memory.rows.has(slot)
+                 and not ((seq_len is None or seq_len > need) and self.memory.give_row(slot)))
+        if waits:
+            self._waiting[slot] = need
+        device_sfi = req.enabled and not req.host and not waits
+        self.step.start(slot, device_sfi, req.cfg.dense_layers, waits=waits)
         self.policy.reset(torch.tensor([slot]), req.cfg)
         if req.cfg.method == "snapkv":  # selects once (at prefill end), never refreshes
             self.policy.max_interval[slot] = NO_WINDOW
@@ -141,15 +166,35 @@ class Slots:
                 continue
             suspended = self.suspended.pop(rid, None) if rid is not None else None
             if suspended is not None:
-                req = self._resume(slot, *suspended)
+                req = self._resume(slot, *suspended, int(n))
             else:
                 enabled, cfg = self._config(state.REQUEST_PARAMS.get(rid))
                 req = Request(cfg=cfg, enabled=enabled, rid=rid)
-                self.start(slot, req)
+                self.start(slot, req, int(n))
             if rid is not None:
                 self.by_rid[rid] = (slot, req)
-            if req.enabled and req.refreshes:
+            if req.enabled and req.refreshes and slot not in self._waiting:
                 radix.start_request(self, slot, req, rid, int(prefix), int(n))
+
+    @property
+    def waiting(self) -> int:
+        """SFI requests that wait for a memory row (running dense meanwhile)."""
+        return len(self._waiting)
+
+    def claim_rows(self, forward_batch) -> None:
+        """Host, at each decode step while some request waits for a memory row: a waiting
+        request of the batch whose context passed sinks + window + budget takes a free row,
+        and SFI runs for it from this step, whose slow step makes its first selection."""
+        if not self._waiting:
+            return
+        slots, lens = (_host_copy(forward_batch, name) for name in ("req_pool_indices", "seq_lens"))
+        if slots is None or lens is None or slots.shape != lens.shape:
+            return  # no host copy of the batch: it waits for a step that has one
+        for slot, n in zip(slots.tolist(), lens.tolist()):
+            need = self._waiting.get(slot)
+            if need is not None and n > need and self.memory.give_row(slot):
+                del self._waiting[slot]
+                self.step.got_row(slot)  # give_row reset its memory: a fast step reads it all
 
     def _config(self, custom_params) -> tuple[bool, SFIConfig]:
         """A request's (enabled, config), cached by its options (the tokenizer side checked them)."""
@@ -158,7 +203,7 @@ class Slots:
             self._configs[key] = request_config(self.cfg, custom_params)
         return self._configs[key]
 
-    def _resume(self, slot: int, old: Request, history: dict) -> Request:
+    def _resume(self, slot: int, old: Request, history: dict, seq_len: int) -> Request:
         """A retracted request's re-prefill: a new record (its selection is made afresh:
         bootstrap or a shared prefix's memory) that keeps the old one's counters, and its
         decision history, where the re-prefill counts as the decode step it replaces, a
@@ -166,7 +211,7 @@ class Slots:
         req = Request(cfg=old.cfg, enabled=old.enabled, rid=old.rid,
                       bootstrap_computed=old.bootstrap_computed, bootstrap_reused=old.bootstrap_reused,
                       retracted_at=(*old.retracted_at, int(history["steps"]) + 1))
-        self.start(slot, req)
+        self.start(slot, req, seq_len)
         counts = history.pop("counts")
         if self.policy.fired is not None:
             self.policy.fired[slot] = history.pop("fired")
@@ -187,7 +232,7 @@ class Slots:
             req = self.requests.get(slot)
             if req is None or not req.enabled or not req.refreshes or lid in req.cfg.dense_layers:
                 continue
-            if req.imported:  # started from a shared prefix's memory
+            if req.imported or slot in self._waiting:  # a shared prefix's memory, or no memory row
                 continue
             rows = min(req.cfg.bootstrap_rows, lens[i])
             yield slot, req, starts[i] + lens[i] - rows, rows, int(forward_batch.seq_lens[i])
@@ -256,3 +301,14 @@ class Slots:
 
             parallel.record(rid, stats)
         return stats
+
+
+def _host_copy(forward_batch, name: str) -> Optional[torch.Tensor]:
+    """SGLang's host copy of a batch tensor (`<name>_cpu`), or the tensor itself where it
+    lives on the host (the CPU engine); None rather than a device read."""
+    t = getattr(forward_batch, f"{name}_cpu", None)
+    if t is None:
+        t = getattr(forward_batch, name, None)
+        if t is None or t.device.type != "cpu":
+            return None
+    return t

@@ -137,6 +137,14 @@ class SFIConfig:
     # path a score row is H_q x context-length float32 (5.2 MB for Qwen3-4B at 40K).
     # 0 = every row may be slow in the same step (score rows for every request slot)
     max_slow_rows: int = 8
+    # how many requests hold a sparse memory at once (server-wide): its memory rows. A row
+    # is what scales with the budget (the selected positions, 2.4 MB for Qwen3-4B at 2048;
+    # on the "triton" path also the packed K/V, 302 MB). A request takes a row when its
+    # context first passes sinks + window + budget (before, a fast step reads its whole
+    # context anyway) and gives it back when SGLang frees its slot; one that finds none free
+    # runs dense until one is. 0 = a row for every request slot, and sfi_sglang's launchers
+    # then default --max-running-requests to 64; with rows, SGLang's own default holds
+    memory_rows: int = 0
 
     def __post_init__(self):
         # Normalise convenient input forms (CLI strings, JSON lists, ints for floats).
@@ -177,7 +185,7 @@ class SFIConfig:
             if not is_int(v) or v < 1:
                 bad(name, "a positive integer")
         for name in ("sinks", "cooldown", "nms_radius", "pool_radius", "topup_pages", "dense_below",
-                     "max_slow_rows"):
+                     "max_slow_rows", "memory_rows"):
             v = getattr(self, name)
             if not is_int(v) or v < 0:
                 bad(name, "a non-negative integer")

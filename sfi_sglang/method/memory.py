@@ -38,6 +38,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from sfi_sglang.method.config import KERNEL_FAST_PATHS, SFIConfigError
+from sfi_sglang.method.rows import MemoryRows
 
 # A window start past any context: the fast kernel reads no window for such a slot (SGLang's
 # padding slot 0, and the device-path rows of requests with SFI off).
@@ -66,11 +67,19 @@ class SparseMemory:
     and fast_path "triton" also
       packed_k, packed_v  list over sparse layers of [max_slots, H_kv, S+K, D] (`dtype`)
     Layer ids are model layer ids; `sparse_layer_ids` maps them to rows of sel_pos.
+
+    Memory rows (`rows`, method.rows.MemoryRows): sel_pos and the packed buffers, the bytes
+    that scale with a request's budget, are indexed by memory row, not by slot: slot p's
+    memory is row rows.row_of[p] (read by the kernels). With `rows` = R there are R + 1 of
+    them, row 0 belonging to no request (slots without a row read it and never write it:
+    their requests run dense, StepPlan.waits), and the host gives a row to a slot
+    (`give_row`) and takes it back (`rows.take`); SGLang's slots then cost a few bytes each.
     """
 
     def __init__(self, num_layers: int, sparse_layer_ids: Iterable[int], max_slots: int,
                  num_kv_heads: int, head_dim: int, cfg, device, dtype=torch.bfloat16,
-                 packed: Optional[bool] = None, group: int = 1, q_dtype: Optional[torch.dtype] = None):
+                 packed: Optional[bool] = None, group: int = 1, q_dtype: Optional[torch.dtype] = None,
+                 rows: Optional[int] = None):
         self.device = torch.device(device)
         self.num_layers = int(num_layers)
         self.sparse_layer_ids = sorted(int(i) for i in sparse_layer_ids)
@@ -89,7 +98,10 @@ class SparseMemory:
         self.fast_path = cfg.fast_path if self.packed else "reference"
         L, M, H, K = len(self.sparse_layer_ids), self.max_slots, self.num_kv_heads, self.budget
         dev = self.device
-        self.sel_pos = torch.full((L, M, H, K), -1, dtype=torch.int32, device=dev)
+        # memory rows: one per slot, or `rows` + 1 (row 0: no request's) given out by the host
+        self.rows = MemoryRows(M, rows, dev)
+        N = self.rows.allocated
+        self.sel_pos = torch.full((L, N, H, K), -1, dtype=torch.int32, device=dev)
         self.sel_count = torch.zeros(M, dtype=torch.int32, device=dev)
         self.win_start = torch.zeros(M, dtype=torch.int64, device=dev)
         self.n_sinks = torch.zeros(M, dtype=torch.int32, device=dev)
@@ -101,8 +113,8 @@ class SparseMemory:
         self.packed_len = None
         if self.fast_path == "triton":
             P = self.sinks + K
-            self.packed_k = [torch.zeros(M, H, P, self.head_dim, dtype=dtype, device=dev) for _ in range(L)]
-            self.packed_v = [torch.zeros(M, H, P, self.head_dim, dtype=dtype, device=dev) for _ in range(L)]
+            self.packed_k = [torch.zeros(N, H, P, self.head_dim, dtype=dtype, device=dev) for _ in range(L)]
+            self.packed_v = [torch.zeros(N, H, P, self.head_dim, dtype=dtype, device=dev) for _ in range(L)]
         if self.packed:
             self.packed_len = torch.zeros(M, dtype=torch.int32, device=dev)
         # the FlashInfer path's lists, rows and planned wrappers, for up to M batch rows
@@ -130,18 +142,18 @@ class SparseMemory:
 
     # ------------------------------------------------------------------ bookkeeping
     @staticmethod
-    def slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, cfg, dtype, packed: bool,
-                   group: int = 1, q_dtype=None) -> int:
-        """Bytes a SparseMemory of `num_layers` layers holds per request slot (every tensor
-        bytes() counts is [slots, ...]; `packed` as in __init__): what SGLang's memory budget
-        must leave for it (kv_budget). Measured on a one-slot memory on the
-        meta device, so it cannot drift from the allocation."""
-        return SparseMemory(num_layers, range(num_layers), 1, num_kv_heads, head_dim, cfg, "meta",
-                            dtype, packed=packed, group=group, q_dtype=q_dtype).bytes()
+    def footprint(num_layers: int, num_kv_heads: int, head_dim: int, cfg, dtype, packed: bool,
+                  slots: int, rows: Optional[int] = None, group: int = 1, q_dtype=None) -> int:
+        """Bytes a SparseMemory of `num_layers` layers, `slots` request slots and `rows`
+        memory rows holds (`packed` as in __init__): what SGLang's memory budget must leave
+        for it (kv_budget). Measured on the meta device, so it cannot drift from the
+        allocation."""
+        return SparseMemory(num_layers, range(num_layers), slots, num_kv_heads, head_dim, cfg, "meta",
+                            dtype, packed=packed, group=group, q_dtype=q_dtype, rows=rows).bytes()
 
     def bytes(self) -> int:
         """Device bytes held by this memory (the FlashInfer path's per-row buffers included)."""
-        ts = [self.sel_pos, self.sel_count, self.win_start, self.n_sinks, self.fast_ws, self.counts,
+        ts = [self.sel_pos, self.rows.row_of, self.sel_count, self.win_start, self.n_sinks, self.fast_ws, self.counts,
               *self.packed_k,
               *self.packed_v]
         if self.packed_len is not None:
@@ -155,15 +167,28 @@ class SparseMemory:
             slots = torch.as_tensor(list(slots) if not isinstance(slots, int) else [slots])
         return slots.to(device=self.device, dtype=torch.int64)
 
-    def reset(self, slots) -> None:
-        """A new request in these slots: no selection, empty packed memory."""
+    # ------------------------------------------------------------------ memory rows
+    def give_row(self, slot: int) -> bool:
+        """Host: the slot holds a memory row, given now if it had none (reset: no
+        selection; its steps stay counted); False when none is free."""
+        if self.rows.has(slot):
+            return True
+        if self.rows.give(slot) is None:
+            return False
+        self.reset([slot], counts=False)
+        return True
+
+    def reset(self, slots, counts: bool = True) -> None:
+        """A new request in these slots: no selection, empty packed memory (and, with
+        `counts`, no steps counted)."""
         s = self._slots(slots)
-        self.sel_pos[:, s] = -1
+        self.sel_pos[:, self.rows.of(s)] = -1
         self.sel_count[s] = 0
         self.win_start[s] = 0
         self.n_sinks[s] = 0
         self.fast_ws[s] = 0
-        self.counts[s] = 0
+        if counts:
+            self.counts[s] = 0
         if self.packed_len is not None:
             self.packed_len[s] = 0
 
@@ -180,13 +205,15 @@ class SparseMemory:
     def export(self, slot: int):
         """(positions [L_sparse, H_kv, K] int32, count, win_start) of a slot's selection:
         a copy, for sfi_sglang.integration.radix (host sync)."""
-        return self.sel_pos[:, slot].clone(), int(self.sel_count[slot]), int(self.win_start[slot])
+        row = int(self.rows.of(self._slots(slot))[0])
+        return self.sel_pos[:, row].clone(), int(self.sel_count[slot]), int(self.win_start[slot])
 
     def held(self, layer_id: int, slot: int) -> tuple[torch.Tensor, int]:
         """(selected positions [H_kv, count], window start) of a slot at one layer (host
         read: the host path's top-up)."""
         count = int(self.sel_count[slot])
-        return self.sel_pos[self.layer_index[layer_id], slot, :, :count], int(self.win_start[slot])
+        row = int(self.rows.of(self._slots(slot))[0])
+        return self.sel_pos[self.layer_index[layer_id], row, :, :count], int(self.win_start[slot])
 
     def import_(self, slot: int, positions: torch.Tensor, count: int, win_start: int,
                 kv_caches, req_to_token: torch.Tensor, layer_ids: Iterable[int]) -> None:
@@ -229,7 +256,8 @@ class SparseMemory:
                 _per_row(win_start, b, dev), None if seq_lens is None else _per_row(seq_lens, b, dev),
                 None if rows is None else rows.to(dev).reshape(-1), self.sinks, self.sel_pos[li],
                 self.sel_count, self.win_start, self.n_sinks, self.fast_ws, self.packed_len,
-                self.packed_k[li] if pack else None, self.packed_v[li] if pack else None)
+                self.packed_k[li] if pack else None, self.packed_v[li] if pack else None,
+                row_of=self.rows.kernel_arg())
             return
         cnt = torch.as_tensor(sel_count, device=dev).to(torch.int64).reshape(-1).expand(b)
         valid = self._ar_k[:kp][None, None, :] < cnt[:, None, None]
@@ -244,7 +272,8 @@ class SparseMemory:
                              max=self.sinks).to(torch.int32).expand(b)
         keep = (lambda new, old: new) if rows is None else (
             lambda new, old: torch.where(rows.reshape((b,) + (1,) * (new.dim() - 1)), new, old))
-        self.sel_pos[li, s] = keep(pos, self.sel_pos[li, s])
+        r = self.rows.of(s)
+        self.sel_pos[li, r] = keep(pos, self.sel_pos[li, r])
         self.sel_count[s] = keep(cnt.to(torch.int32), self.sel_count[s])
         self.win_start[s] = keep(ws, self.win_start[s])
         self.n_sinks[s] = keep(ns, self.n_sinks[s])
@@ -302,7 +331,7 @@ class SparseMemory:
             fl = fast_plan if fast_plan is not None else self.fast_lists(rpi, seq_lens)
             return self._fi.run(q, k_cache, v_cache, req_to_token, rpi, fl.lengths, fl.start, seq_lens,
                                 fl.win_start, self.n_sinks, self.sel_pos[li], self.sel_count, out=out,
-                                lse_out=lse_out)
+                                lse_out=lse_out, row_of=self.rows.kernel_arg())
         if self.packed:
             ws = self.fast_ws[rpi] if win_start is None else win_start
             if self.fast_path == "triton-pool":
@@ -314,7 +343,7 @@ class SparseMemory:
                     kernel_kw.update(holes=self.sel_pos[li], hole_base=self.sinks)
             return self._k.fast_decode(q, k_cache, v_cache, req_to_token, rpi, seq_lens, ws,
                                        *packed, self.packed_len, sm_scale, out=out, lse_out=lse_out,
-                                       **kernel_kw)
+                                       row_of=self.rows.kernel_arg(), **kernel_kw)
         n = self._ref_len(seq_lens, max_len)
         allowed = self._fast_mask(li, rpi, seq_lens, n)
         if extra is not None:
@@ -340,7 +369,7 @@ class SparseMemory:
         t = seq_lens.to(self.device, torch.int64)[:, None, None]
         ws = self.win_start[rpi].clamp_min(self.sinks)[:, None, None]
         keep = (j < self.sinks) | (j >= ws)
-        return (keep | self._position_mask(self.sel_pos[li, rpi], n)) & (j < t)
+        return (keep | self._position_mask(self.sel_pos[li, self.rows.of(rpi)], n)) & (j < t)
 
     def _position_mask(self, pos: torch.Tensor, n: int) -> torch.Tensor:
         """[b, H, n] bool: the positions pos [b, H, E] (-1 or >= n: none)."""
@@ -511,24 +540,28 @@ class FastLists:
 
 
 def kv_budget(available: int, num_layers: int, num_kv_heads: int, head_dim: int, cfg, dtype,
-              packed: bool, slots: int, scores: int = 0, group: int = 1, q_dtype=None) -> int:
+              packed: bool, slots: int, scores: int = 0, group: int = 1, q_dtype=None,
+              rows: Optional[int] = None) -> int:
     """SGLang's KV-pool byte budget once the `sfi` backend's own tensors are set aside: the
-    sparse memory (per request slot, `slots` + 1 rows like SGLang's req_to_token; `dtype` the
-    KV cache's, `q_dtype` the model's where they differ: an fp8 cache), the slow
+    sparse memory (`slots` + 1 request slots like SGLang's req_to_token, `rows` memory rows
+    (None: one per slot); `dtype` the KV cache's, `q_dtype` the model's where they differ:
+    an fp8 cache), the slow
     pass's score buffers (`scores` bytes: step.ScoreBuffers.reserve_bytes) and the key norms
     (per KV-pool token, next to the pool's K and V). Raises SFIConfigError when nothing would
     be left. Called where SGLang sizes its pools (hooks._reserve_sfi_memory)."""
-    mem = (slots + 1) * SparseMemory.slot_bytes(num_layers, num_kv_heads, head_dim, cfg, dtype, packed, group,
-                                                q_dtype)
+    mem = SparseMemory.footprint(num_layers, num_kv_heads, head_dim, cfg, dtype, packed, slots + 1, rows,
+                                 group, q_dtype)
     kv_cell = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
     norm_cell = num_layers * num_kv_heads * 4  # the key norms: L x float32 [tokens, H_kv]
     left = (available - mem - scores) * kv_cell // (kv_cell + norm_cell)
     if left <= 0:
         raise SFIConfigError(
             f"SFI's sparse memory for {slots} request slots needs {mem / 2**30:.2f} GiB "
-            f"({mem / (slots + 1) / 2**20:.1f} MiB per slot with --sfi-budget {cfg.budget}) "
+            f"({mem / ((slots if rows is None else rows) + 1) / 2**20:.1f} MiB per memory row with "
+            f"--sfi-budget {cfg.budget}) "
             f"and its slow-step score buffers {scores / 2**30:.2f} GiB "
-            f"but the KV budget is {available / 2**30:.2f} GiB: lower --max-running-requests, "
+            f"but the KV budget is {available / 2**30:.2f} GiB: lower --sfi-memory-rows (or "
+            "--max-running-requests without it), "
             "--sfi-budget or --context-length, or raise --mem-fraction-static")
     return int(left)
 

@@ -89,7 +89,7 @@ def request_config(server: SFIConfig, custom_params,
         raise SFIConfigError('custom_params["sfi"]["refresh"] adaptive needs a server launched with '
                              "--sfi-refresh adaptive (its fast steps then report what the trigger reads)")
     # server-wide: one table, one kernel, one decision per step
-    for name in ("boundaries", "fast_path", "dense_backend", "dense_below", "max_slow_rows"):
+    for name in ("boundaries", "fast_path", "dense_backend", "dense_below", "max_slow_rows", "memory_rows"):
         if overrides.get(name, getattr(server, name)) != getattr(server, name):
             raise SFIConfigError(f'custom_params["sfi"]["{name}"] cannot differ from the server\'s '
                                  f"--sfi-{name.replace('_', '-')}")

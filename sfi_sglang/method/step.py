@@ -3,6 +3,8 @@ decided on the device from the tokens just sampled, with no host sync.
 
 Per request slot (SGLang's ReqToTokenPool index) it keeps device tensors:
     sfi       [slots]      SFI runs on the device path for the slot's request
+    waits     [slots]      its request runs SFI but holds no memory row yet
+                           (SFIConfig.memory_rows): a dense row until it gets one
     has_sel   [slots]      the slot's memory holds a selection (bootstrap, import, slow step)
     dense     [slots, L]   layers that are dense for the slot's request (its dense_layers)
     steps     [slots]      decode steps so far
@@ -58,11 +60,14 @@ class Rows:
 
 
 class StepPlan:
-    def __init__(self, policy, max_slots: int, num_layers: int, device, max_slow: int = 0):
+    def __init__(self, policy, max_slots: int, num_layers: int, device, max_slow: int = 0,
+                 memory_rows: int = 0):
         self.policy = policy
         self.max_slow = int(max_slow)  # 0: no limit
+        self.memory_rows = int(memory_rows)  # 0: a memory row per slot
         dev = torch.device(device)
         self.sfi = torch.zeros(max_slots, dtype=torch.bool, device=dev)
+        self.waits = torch.zeros(max_slots, dtype=torch.bool, device=dev)
         self.has_sel = torch.zeros(max_slots, dtype=torch.bool, device=dev)
         self.dense = torch.zeros(max_slots, num_layers, dtype=torch.bool, device=dev)
         self.steps = torch.zeros(max_slots, dtype=torch.int32, device=dev)
@@ -72,9 +77,11 @@ class StepPlan:
         self.has_sel[0] = True
 
     # ------------------------------------------------------------------ host side
-    def start(self, slot: int, sfi: bool, dense_layers, has_sel: bool = False) -> None:
-        """A request starts in `slot` (host, at its first extend)."""
+    def start(self, slot: int, sfi: bool, dense_layers, has_sel: bool = False, waits: bool = False) -> None:
+        """A request starts in `slot` (host, at its first extend); `waits`: it runs SFI from
+        when it gets a memory row (`sfi` False until then)."""
         self.sfi[slot] = bool(sfi)
+        self.waits[slot] = bool(waits)
         self.has_sel[slot] = bool(has_sel)
         row = torch.zeros(self.dense.shape[1], dtype=torch.bool)
         for lid in dense_layers:
@@ -84,6 +91,13 @@ class StepPlan:
         self.steps[slot] = 0
         self.slow_n[slot] = 0
         self.slow_log[slot] = -1
+
+    def got_row(self, slot: int) -> None:
+        """A waiting request got its memory row (host): SFI runs for it from this step,
+        whose slow step makes its first selection."""
+        self.sfi[slot] = True
+        self.waits[slot] = False
+        self.has_sel[slot] = False
 
     def history(self, slot: int) -> dict:
         """The slot's decision history (device copies): what `resume` continues."""
@@ -130,7 +144,7 @@ class StepPlan:
         (eager-only methods)."""
         slots = slots.to(torch.int64)
         B = slots.shape[0]
-        R = score_rows(B, self.max_slow)
+        R = score_rows(B, self.max_slow, self.memory_rows)
         on = self.sfi[slots]
         if force_dense is not None:
             on = on & ~force_dense
@@ -165,10 +179,14 @@ class StepPlan:
                     sel_l=slow_l[:, row_of] & used[None, :])
 
 
-def score_rows(batch: int, max_slow: int) -> int:
+def score_rows(batch: int, max_slow: int, memory_rows: int = 0) -> int:
     """R: the score rows of a decode step of `batch` rows, its most slow rows
-    (SFIConfig.max_slow_rows; 0: no limit)."""
-    return min(batch, max_slow) if max_slow > 0 else batch
+    (SFIConfig.max_slow_rows; 0: no limit): only rows with a memory row are slow
+    (SFIConfig.memory_rows; 0: one per slot)."""
+    for cap in (max_slow, memory_rows):
+        if cap > 0:
+            batch = min(batch, cap)
+    return batch
 
 
 def dense_step(seq_lens_cpu: Optional[torch.Tensor], memory_tokens: int, below: int) -> bool:
