@@ -55,6 +55,10 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
                    help="fp8_e4m3: the pool in fp8 (unit scales), checked the same way; writes "
                         "graph_check_h200[...]_fp8.json")
+    p.add_argument("--memory-rows", type=int, default=0,
+                   help="--sfi-memory-rows: fewer than the batch's SFI rows, so some run dense (no row), "
+                        "the rest through the kernels' row_of, graphs on and off; writes "
+                        "graph_check_h200[...]_rows.json")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
 
@@ -98,7 +102,7 @@ def main(argv=None) -> int:
     cfg = SFIConfig(budget=512, window=128, refresh=args.refresh, max_interval=args.slow_every,
                     min_gap=min(16, args.slow_every), adaptive_threshold=args.adaptive_threshold,
                     selection_page=args.selection_page, fast_path=args.fast_path,
-                    max_slow_rows=args.max_slow_rows)
+                    max_slow_rows=args.max_slow_rows, memory_rows=args.memory_rows)
     model = bench.DummyModel(bench.SHAPES[args.shape], dtype, dev)
     B = args.batch
     kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else None
@@ -130,7 +134,7 @@ def main(argv=None) -> int:
     eager_fired = fired()
     graph_ids, secs, graph_slow, runner = run(True)
     res.update(refresh=args.refresh, selection_page=args.selection_page, kv_cache_dtype=args.kv_cache_dtype,
-               max_slow_rows=args.max_slow_rows, adaptive_fired_eager=eager_fired,
+               max_slow_rows=args.max_slow_rows, memory_rows=args.memory_rows, adaptive_fired_eager=eager_fired,
                adaptive_fired_graph=fired())
     counts = be.memory.counts[st.fb.req_pool_indices].tolist()
     same = torch.equal(eager_ids, graph_ids)
@@ -180,7 +184,8 @@ def main(argv=None) -> int:
     name = ("graph_check_h200" + ("_adaptive" if args.refresh == "adaptive" else "")
             + ("_pages" if args.selection_page > 1 else "")
             + (f"_{args.fast_path.replace('-', '_')}" if args.fast_path != "triton" else "")
-            + ("_fp8" if kv_dtype is not None else ""))
+            + ("_fp8" if kv_dtype is not None else "")
+            + ("_rows" if args.memory_rows else ""))
     with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(res, f, indent=1)
     return 0 if same and sync_ok and (HAS_IF_NODE or res_if["graph_if_available"]) else 1

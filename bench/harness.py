@@ -374,10 +374,11 @@ class Setup:
             # object re-made in place, so every part of the backend holding it sees it
             m = self.sfi.memory
             m.__init__(m.num_layers, m.sparse_layer_ids, m.max_slots, m.num_kv_heads, m.head_dim, cfg,
-                       m.device, m.dtype, packed=packed)
+                       m.device, m.dtype, packed=packed, rows=m.rows.count)
             m.fast_ws[0] = NO_WINDOW  # SGLang's padding slot, as the backend sets it
             sc = self.sfi.scores  # and the score buffers of that path
-            self.sfi.scores = ScoreBuffers(m.device, packed, score_rows(m.max_slots, cfg.max_slow_rows),
+            self.sfi.scores = ScoreBuffers(m.device, packed, score_rows(m.max_slots, cfg.max_slow_rows,
+                                                                      cfg.memory_rows),
                                            sc.num_sparse, sc.num_q_heads, sc.width, batched=cfg.method == "sfi")
         self.sfi.init_cuda_graph_state(batch, batch)  # as SGLang's graph runner does
         self.fill(seed=1)

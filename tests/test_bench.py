@@ -67,18 +67,21 @@ records = {}
 # the kernel process runs both Triton fast paths (the packed copy, the pool read in place),
 # with single tokens and with whole pages of 6 (two pages: at most 12 positions of a count
 # of 16, the rest of each head's entries empty)
-# with at most 2 slow rows a step (the third row's slow steps come a step later), and over
-# an fp8 KV pool (its packed copies fp8 too)
+# with at most 2 slow rows a step (the third row's slow steps come a step later), over an
+# fp8 KV pool (its packed copies fp8 too), and with 2 memory rows for 3 requests (the third
+# runs dense)
 fp8 = torch.float8_e4m3fn
-runs = ((("triton", "triton", 1, 0, None), ("triton-pages", "triton", 6, 0, None),
-         ("triton-pool-pages", "triton-pool", 6, 0, None), ("triton-pool-limit", "triton-pool", 1, 2, None),
-         ("triton-fp8", "triton", 1, 0, fp8))
-        if packed else (("reference", "triton", 1, 0, None), ("reference-pages", "triton", 6, 0, None),
-                        ("reference-limit", "triton", 1, 2, None), ("reference-fp8", "triton", 1, 0, fp8)))
-for name, fast_path, page, limit, kv_dtype in runs:
+runs = ((("triton", "triton", 1, 0, None, 0), ("triton-pages", "triton", 6, 0, None, 0),
+         ("triton-pool-pages", "triton-pool", 6, 0, None, 0), ("triton-pool-limit", "triton-pool", 1, 2, None, 0),
+         ("triton-fp8", "triton", 1, 0, fp8, 0), ("triton-rows", "triton", 1, 0, None, 2))
+        if packed else (("reference", "triton", 1, 0, None, 0), ("reference-pages", "triton", 6, 0, None, 0),
+                        ("reference-limit", "triton", 1, 2, None, 0), ("reference-fp8", "triton", 1, 0, fp8, 0),
+                        ("reference-rows", "triton", 1, 0, None, 2)))
+for name, fast_path, page, limit, kv_dtype, rows in runs:
     torch.manual_seed(0)
     cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=(0,), refresh="interval",
-                    max_interval=3, min_gap=1, fast_path=fast_path, selection_page=page, max_slow_rows=limit)
+                    max_interval=3, min_gap=1, fast_path=fast_path, selection_page=page, max_slow_rows=limit,
+                    memory_rows=rows)
     model = bench.DummyModel(bench.SHAPES["tiny"], torch.float32, "cpu")
     s = model.s
     st = bench.Setup(model, cfg, 70, 3, 8, "cpu", torch.float32, packed=packed, all_slow=False,
@@ -99,7 +102,7 @@ for name, fast_path, page, limit, kv_dtype in runs:
             v = torch.randn(3, s.kv_heads, s.head_dim, generator=g)
             per_layer.append(st.sfi.forward_decode(q, k, v, L.attn, st.fb))
         record.append({"slow": slow, "out": torch.stack(per_layer), "sel_pos": mem.sel_pos.clone(),
-                       "sel_count": mem.sel_count.clone()})
+                       "sel_count": mem.sel_count.clone(), "on": st.sfi.meta.rows.on.clone()})
         st.advance(torch.tensor([1, 2, 3]))
 torch.save(records, sys.argv[2])
 print("OK")
@@ -115,7 +118,8 @@ def test_backend_kernel_path_equals_reference_path(tmp_path):
     also for a row with its own dense layer; and so with whole pages (--sfi-selection-page),
     whose edge pages leave a head fewer positions than the selection's count, and with at
     most 2 slow rows a step (--sfi-max-slow-rows: the dense pass's logits in score rows),
-    and over an fp8 KV pool (--kv-cache-dtype fp8_e4m3)."""
+    over an fp8 KV pool (--kv-cache-dtype fp8_e4m3), and with 2 memory rows for 3 requests
+    (--sfi-memory-rows: the kernels index the memory by row; the third request runs dense)."""
     import torch
 
     records = {}
@@ -129,8 +133,11 @@ def test_backend_kernel_path_equals_reference_path(tmp_path):
     kinds = set()
     limited = [r["slow"].tolist() for r in records["reference-limit"]]
     assert limited[:2] == [[True, True, False], [False, False, True]], limited  # the third put off
+    assert [r["on"].tolist() for r in records["reference-rows"]] == [[True, True, False]] * 5  # no row: dense
+    assert records["reference-rows"][0]["sel_pos"].shape[1] == 3  # 2 rows and row 0
     for ref_name, paths in (("reference", ("triton",)), ("reference-pages", ("triton-pages", "triton-pool-pages")),
-                            ("reference-limit", ("triton-pool-limit",)), ("reference-fp8", ("triton-fp8",))):
+                            ("reference-limit", ("triton-pool-limit",)), ("reference-fp8", ("triton-fp8",)),
+                            ("reference-rows", ("triton-rows",))):
         for step, ref in enumerate(records[ref_name]):
             kinds |= {"slow" if x else "fast" for x in ref["slow"].tolist()}
             if ref_name == "reference-pages" and step > 0:  # every head held pages, fewer than its count

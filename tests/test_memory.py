@@ -654,6 +654,17 @@ def test_flashinfer_lists_and_merge_are_the_fast_step(G, whole_pages):
     assert torch.equal(indptr[:n + 1], rindptr[:n + 1])
     assert torch.equal(pages[:int(indptr[n])], rpages[:int(indptr[n])])
     assert torch.equal(qrows[:n], rqrows[:n])
+    # memory rows (--sfi-memory-rows): the lists read sel_pos by row_of[slot], rows in
+    # another order than the slots
+    row_of = torch.zeros(8, dtype=torch.int32, device=DEV)
+    row_of[rpi] = torch.arange(B, 0, -1, dtype=torch.int32, device=DEV)
+    by_row = torch.full((B + 1,) + tuple(mem.sel_pos.shape[2:]), -1, dtype=torch.int32, device=DEV)
+    by_row[row_of[rpi].long()] = mem.sel_pos[0][rpi]
+    rbufs = (torch.full_like(fi.indptr, -7), torch.full_like(fi.pages, -7), torch.zeros_like(fi.qrows))
+    fif.build_lists(st["q"], st["rtt"], rpi, fl.lengths, fl.start, seq_lens, fl.win_start, mem.n_sinks, by_row,
+                    mem.sel_count, *rbufs, fi.C, cap, whole_pages, row_of=row_of)
+    assert torch.equal(rbufs[0][:n + 1], indptr[:n + 1])
+    assert torch.equal(rbufs[1][:int(indptr[n])], pages[:int(indptr[n])])
     rows_len = (indptr[1:n + 1] - indptr[:n]).view(B, Hkv, fi.R)
     real = rows_len[:, :, :fi.C]  # the merged rows; with whole pages the last row holds the rest
     assert int(real.max()) <= fi.row_len <= fif.ROW and int(rows_len.min()) >= 0
