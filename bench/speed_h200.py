@@ -35,6 +35,8 @@ Two parts, one process:
                     byte per K/V entry; the ideal bounds still count 2)
      ...-slowall    any sfi engine with --sfi-max-slow-rows 0: every row due a slow step runs
                     it at once (the bench's requests run in lockstep; as shipped, at most 8 a step)
+     ...-rows       any sfi engine with --sfi-memory-rows of half the batch: the other half of
+                    the rows hold no memory and run dense (the price of rows given out)
 
 CONTEXTxmax: each engine at the largest batch its own KV pool holds. The engine captures
 decode graphs at 1, 8 and steps of an eighth of an upper bound on that batch (the
@@ -350,6 +352,9 @@ def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) 
     if name.endswith("-fp8"):  # SGLang's fp8 KV cache (unit scales)
         kw["kv_cache_dtype"] = "fp8_e4m3"
         name = name[:-len("-fp8")]
+    if name.endswith("-rows"):  # memory rows for half the batch (--sfi-memory-rows): the rest run dense
+        kw["sfi_memory_rows"] = max(1, batch // 2)
+        name = name[:-len("-rows")]
     if name.endswith("-slowall"):  # no limit on a step's slow rows
         kw["sfi_max_slow_rows"] = 0
         name = name[:-len("-slowall")]
