@@ -443,7 +443,7 @@ def test_kernel_store_is_the_reference_store_in_one_launch():
     lens = torch.tensor(n_sel, device=DEV)
     for m in mems:
         m.store(1, st["rpi"], *first, st["k"], st["v"], st["rtt"], seq_lens=lens)
-        m.store(1, st["rpi"], pos[..., :9], cnt, ws, st["k"], st["v"], st["rtt"], seq_lens=lens, rows=rows)
+        m.store(1, st["rpi"], pos[..., :9], cnt, ws, st["k"], st["v"], st["rtt"], seq_lens=lens, only=rows)
     ref, ker, pool = mems
     for name in ("sel_pos", "sel_count", "win_start", "n_sinks", "fast_ws"):
         assert torch.equal(getattr(ker, name), getattr(ref, name)), name

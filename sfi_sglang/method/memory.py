@@ -49,8 +49,9 @@ class SparseMemory:
     """Sparse-memory state of up to `max_slots` requests (ReqToTokenPool slots).
 
     Tensors (all on `device`):
-      sel_pos   [L_sparse, max_slots, H_kv, K] int32, selected positions, sorted, -1 padded
-      sel_count [max_slots] int32   valid entries of sel_pos[:, slot] (same for every layer
+      sel_pos   [L_sparse, N, H_kv, K] int32, selected positions, sorted, -1 padded, by
+                memory row (N = max_slots without `rows`, else rows + 1)
+      sel_count [max_slots] int32   valid entries of the slot's sel_pos (same for every layer
                                     and head of a selection)
       win_start [max_slots] int64   first window position (= hi of the last selection)
       n_sinks   [max_slots] int32   sinks packed at the last selection (min(S, n)); the
@@ -60,12 +61,13 @@ class SparseMemory:
       counts    [max_slots, 4] int64  fast, slow, dense and deferred decode steps of the
                                     slot's request (dense: steps the whole batch ran
                                     dense, --sfi-dense-below, or the row's FlashInfer lists
-                                    outgrew their bound; deferred: fast steps whose slow
+                                    outgrew their bound, or it had no memory row yet;
+                                    deferred: fast steps whose slow
                                     step --sfi-max-slow-rows put off to the next)
     the kernel paths (every fast path on CUDA) add
       packed_len [max_slots] int32  = n_sinks + sel_count
     and fast_path "triton" also
-      packed_k, packed_v  list over sparse layers of [max_slots, H_kv, S+K, D] (`dtype`)
+      packed_k, packed_v  list over sparse layers of [N, H_kv, S+K, D] (`dtype`), by memory row
     Layer ids are model layer ids; `sparse_layer_ids` maps them to rows of sel_pos.
 
     Memory rows (`rows`, method.rows.MemoryRows): sel_pos and the packed buffers, the bytes
@@ -228,14 +230,14 @@ class SparseMemory:
 
     def store(self, layer_id: int, slots, positions: torch.Tensor, sel_count, win_start,
               k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
-              seq_lens: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None) -> None:
+              seq_lens: Optional[torch.Tensor] = None, only: Optional[torch.Tensor] = None) -> None:
         """Record a selection of one layer for rows `slots` [b].
 
         positions [b, H_kv, K'] int (K' <= K; sorted ascending, -1 padded; entries at or
         past sel_count are ignored), sel_count [b], win_start [b] (= hi of the selection),
         seq_lens [b] optional: context length at the selection, only needed when it can be
         shorter than the sinks (then only min(S, n) sinks exist yet; default: n >= S).
-        rows [b] bool, optional: only these rows are stored (the others keep their memory;
+        only [b] bool, optional: only these rows are stored (the others keep their memory;
         a decode step's slow rows among all). On the Triton fast path, one launch
         (kernels.store_selection) also copies sinks + selected K/V into the packed buffers.
         No host sync.
@@ -254,7 +256,7 @@ class SparseMemory:
             self._k.store_selection(
                 k_cache, v_cache, req_to_token, s, positions.contiguous(), _per_row(sel_count, b, dev),
                 _per_row(win_start, b, dev), None if seq_lens is None else _per_row(seq_lens, b, dev),
-                None if rows is None else rows.to(dev).reshape(-1), self.sinks, self.sel_pos[li],
+                None if only is None else only.to(dev).reshape(-1), self.sinks, self.sel_pos[li],
                 self.sel_count, self.win_start, self.n_sinks, self.fast_ws, self.packed_len,
                 self.packed_k[li] if pack else None, self.packed_v[li] if pack else None,
                 row_of=self.rows.kernel_arg())
@@ -270,8 +272,8 @@ class SparseMemory:
         else:
             ns = torch.clamp(torch.as_tensor(seq_lens, device=dev).to(torch.int64).reshape(-1),
                              max=self.sinks).to(torch.int32).expand(b)
-        keep = (lambda new, old: new) if rows is None else (
-            lambda new, old: torch.where(rows.reshape((b,) + (1,) * (new.dim() - 1)), new, old))
+        keep = (lambda new, old: new) if only is None else (
+            lambda new, old: torch.where(only.reshape((b,) + (1,) * (new.dim() - 1)), new, old))
         r = self.rows.of(s)
         self.sel_pos[li, r] = keep(pos, self.sel_pos[li, r])
         self.sel_count[s] = keep(cnt.to(torch.int32), self.sel_count[s])

@@ -452,7 +452,7 @@ class Selection:
         pos = self.positions(cfg, logits, self.norms.layers[lid], lo, hi, 1, norm_tokens=tokens)
         k_cache, v_cache = self.kv(lid)
         self.memory.store(lid, slots, pos, (hi - lo).clamp_max(cfg.budget), hi, k_cache, v_cache,
-                          self.req_to_token, seq_lens=seq_lens, rows=slow_rows)
+                          self.req_to_token, seq_lens=seq_lens, only=slow_rows)
 
     def layer_maybe_async(self, lid: int, slots, slow_rows, scores, seq_lens) -> None:
         """`layer`, on the side stream when asynchronous maintenance is on."""
@@ -489,4 +489,4 @@ class Selection:
         for i, lid in enumerate(self.sparse_ids):
             k_cache, v_cache = self.kv(lid)
             mem.store(lid, slots, pos[i * b:(i + 1) * b], cnt, hi, k_cache, v_cache, self.req_to_token,
-                      seq_lens=seq_lens, rows=slow[i])
+                      seq_lens=seq_lens, only=slow[i])
