@@ -299,7 +299,7 @@ def test_reset_store_and_bytes():
     # memory rows: the selections and packed K/V of rows + 1 rows, whatever the slots
     many = SparseMemory(3, [1, 2], 50, Hkv, D, CFG, DEV, torch.float16, packed=True, rows=4)
     row = L * Hkv * K * 4 + 2 * L * Hkv * (CFG.sinks + K) * D * 2
-    assert many.bytes() == 5 * row + 50 * (4 + 4 + 8 + 4 + 8 + 4 * 8 + 4)
+    assert many.bytes() == 5 * row + 50 * (4 + 4 + 8 + 4 + 8 + 4 * 8 + 4) and many.row_bytes() == row
     assert many.bytes() == SparseMemory.footprint(L, Hkv, D, CFG, torch.float16, True, 50, rows=4)
 
 

@@ -230,7 +230,8 @@ def test_metrics_follow_the_requests(server, tokenizer):
     or off; radix hits and evictions equal /sfi/stats' pool counters; the gauges show no
     slot in use once the requests are done."""
     before = scrape(server)
-    assert metric(before, "memory_slots") == 65 and metric(before, "memory_bytes") > 0
+    assert metric(before, "memory_slots") == metric(before, "memory_rows") == 65
+    assert metric(before, "memory_bytes") > 0
     assert ("sglang:sfi_deferred_slow_steps_total",) in before  # at 0: one request at a time
     essay = chat_prompt(tokenizer, "Continue: " + long_text(tokenizer, 200, start=41))
     early = {"custom_params": {"sfi": {"min_gap": 4}}}  # slow steps soon after a sentence end
@@ -261,7 +262,8 @@ def test_metrics_follow_the_requests(server, tokenizer):
     assert metric(after, "radix_memory_evictions_total", reason="tree_evict") == radix["freed_on_evict"]
     assert metric(after, "radix_memory_evictions_total", reason="lru") == radix["dropped_lru"]
     assert metric(after, "radix_node_memories") == radix["node_memories"] > 0
-    assert metric(after, "memory_slots_in_use") == 0 and metric(after, "memory_bytes_in_use") == 0
+    assert metric(after, "memory_slots_in_use") == metric(after, "memory_rows_in_use") == 0
+    assert metric(after, "memory_bytes_in_use") == 0
 
 
 def test_metrics_gauges_count_running_requests(server):
@@ -273,7 +275,7 @@ def test_metrics_gauges_count_running_requests(server):
         for _ in range(2):  # a few chunks: the request runs
             next(lines)
         m = scrape(server)
-        assert metric(m, "memory_slots_in_use") == 1
+        assert metric(m, "memory_slots_in_use") == metric(m, "memory_rows_in_use") == 1
         assert 0 < metric(m, "memory_bytes_in_use") < metric(m, "memory_bytes")
         for _ in lines:
             pass

@@ -33,7 +33,11 @@ request's steps are counted when it finishes (aborted requests included).
     sglang:sfi_requests_total{sfi}                   finished requests, sfi="on" / "off"
     sglang:sfi_memory_slots_in_use                   requests holding an SFI memory slot
     sglang:sfi_memory_slots                          slots allocated (--max-running-requests + 1)
-    sglang:sfi_memory_bytes_in_use                   bytes of the slots in use
+    sglang:sfi_memory_rows_in_use                    memory rows held by requests (--sfi-memory-rows;
+                                                     without it, one per request in a slot)
+    sglang:sfi_memory_rows                           memory rows allocated (without
+                                                     --sfi-memory-rows, one per slot)
+    sglang:sfi_memory_bytes_in_use                   bytes of the memory rows in use
     sglang:sfi_memory_bytes                          bytes allocated (memory + key norms)
     sglang:sfi_radix_node_memories                   radix nodes holding a memory
     sglang:sfi_radix_memory_hits_total               requests that started from a node's memory
@@ -110,7 +114,9 @@ class SFIMetrics:
         self.requests = counter("requests_total", "Finished requests, by SFI on or off.", ["sfi"])
         self.slots_in_use = gauge("memory_slots_in_use", "Requests holding an SFI memory slot.")
         self.slots = gauge("memory_slots", "SFI memory slots allocated.")
-        self.bytes_in_use = gauge("memory_bytes_in_use", "Bytes of the SFI memory slots in use.")
+        self.rows_in_use = gauge("memory_rows_in_use", "SFI memory rows held by requests.")
+        self.rows = gauge("memory_rows", "SFI memory rows allocated.")
+        self.bytes_in_use = gauge("memory_bytes_in_use", "Bytes of the SFI memory rows in use.")
         self.bytes = gauge("memory_bytes", "Bytes allocated for SFI (memory slots and key norms).")
         self.node_memories = gauge("radix_node_memories", "Radix tree nodes holding an SFI memory.")
         self.radix_hits = counter("radix_memory_hits_total",
@@ -118,7 +124,7 @@ class SFIMetrics:
         self.radix_evictions = counter("radix_memory_evictions_total",
                                        "SFI memories dropped from radix nodes, by reason.", ["reason"])
         self._radix_seen = {"lookups_hit": 0, "freed_on_evict": 0, "dropped_lru": 0}
-        self._sizes = None  # (bytes per slot, bytes allocated)
+        self._sizes = None  # (bytes per memory row, bytes allocated)
         # every labelled series from the start (at 0), so a scraper sees them all
         for cause in CAUSES:
             self.slow_steps.labels(**self._l(cause=cause))
@@ -160,12 +166,15 @@ class SFIMetrics:
         mem = backend.memory
         if self._sizes is None:  # fixed at allocation
             norms = backend.norms.bytes()
-            self._sizes = (mem.bytes() // max(1, mem.max_slots), mem.bytes() + norms)
+            self._sizes = (mem.row_bytes(), mem.bytes() + norms)
             self.slots.labels(**self.labels).set(mem.max_slots)
+            self.rows.labels(**self.labels).set(mem.max_slots if mem.rows.count is None else mem.rows.count)
             self.bytes.labels(**self.labels).set(self._sizes[1])
         in_use = len(backend.slots.by_rid)
+        rows = in_use if mem.rows.count is None else mem.rows.count - mem.rows.free
         self.slots_in_use.labels(**self.labels).set(in_use)
-        self.bytes_in_use.labels(**self.labels).set(in_use * self._sizes[0])
+        self.rows_in_use.labels(**self.labels).set(rows)
+        self.bytes_in_use.labels(**self.labels).set(rows * self._sizes[0])
         if radix_pool is None:
             return
         self.node_memories.labels(**self.labels).set(len(radix_pool))

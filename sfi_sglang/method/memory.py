@@ -170,6 +170,11 @@ class SparseMemory:
         return slots.to(device=self.device, dtype=torch.int64)
 
     # ------------------------------------------------------------------ memory rows
+    def row_bytes(self) -> int:
+        """Bytes of one memory row: a request's selected positions and packed K/V."""
+        ts = [self.sel_pos[:, :1], *(t[:1] for t in self.packed_k), *(t[:1] for t in self.packed_v)]
+        return sum(t.numel() * t.element_size() for t in ts)
+
     def give_row(self, slot: int) -> bool:
         """Host: the slot holds a memory row, given now if it had none (reset: no
         selection; its steps stay counted); False when none is free."""
