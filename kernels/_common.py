@@ -64,6 +64,16 @@ def choose_num_splits(programs: int, max_len: int, block_n: int, device: torch.d
 
 
 @triton.jit
+def _memory_row(Row_of, pool, ROW_OF: tl.constexpr):
+    """The memory row holding pool slot `pool`'s sparse memory (int64): Row_of[pool] under
+    memory rows (SparseMemory's `rows`), else the slot itself."""
+    if ROW_OF:
+        return tl.load(Row_of + pool).to(tl.int64)
+    else:
+        return pool
+
+
+@triton.jit
 def _online_update(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, IEEE: tl.constexpr):
     """One tile of online softmax in the log2 domain. Returns (m, l, acc, qk_log2). K and
     V in another dtype than q (an fp8 KV cache, unit scales) are read in q's."""

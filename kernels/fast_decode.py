@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, _online_update, _write_result, choose_num_splits, next_pow2, split_programs,
+from ._common import (LOG2E, _memory_row, _online_update, _write_result, choose_num_splits, next_pow2, split_programs,
                       split_partials, splitk_reduce, use_triton)
 
 LN2 = tl.constexpr(math.log(2.0))
@@ -92,10 +92,7 @@ def _fast_decode_kernel(
     num_splits = tl.num_programs(2)
 
     pool = tl.load(Req_pool_indices + b).to(tl.int64)
-    if ROW_OF:
-        mrow = tl.load(Row_of + pool).to(tl.int64)
-    else:
-        mrow = pool
+    mrow = _memory_row(Row_of, pool, ROW_OF)
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
     ws = tl.maximum(tl.load(Win_start + b).to(tl.int32), 0)
     lp = tl.load(Packed_len + pool).to(tl.int32)

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, use_triton
+from ._common import _memory_row, next_pow2, use_triton
 
 ROW = 128  # entries per FlashInfer row at most (FlashInfer's least split at page size 1)
 BLOCK_PAGES = 256
@@ -94,11 +94,7 @@ def _lists_kernel(Q, Qrows, Req_to_token, Req_pool_indices, Len, Start, Win_star
     ns = tl.load(N_sinks + pool).to(tl.int32)
     plen = ns + tl.load(Sel_count + pool).to(tl.int32)
     ws = tl.load(Win_start + b).to(tl.int32)
-    if ROW_OF:  # Sel_pos by memory row
-        mrow = tl.load(Row_of + pool).to(tl.int64)
-    else:
-        mrow = pool
-    sel_row = Sel_pos + mrow * stride_sp_slot + h * stride_sp_h
+    sel_row = Sel_pos + _memory_row(Row_of, pool, ROW_OF) * stride_sp_slot + h * stride_sp_h
     Lv = L
     if HOLES:  # whole pages: the head's trailing -1 entries read nothing (they close its region)
         holes = 0
@@ -150,8 +146,7 @@ def build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start
     if not use_triton(q):
         from .reference import ref_build_lists
         ref_build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start, n_sinks,
-                        sel_pos if row_of is None else sel_pos[row_of.long()], sel_count, indptr, pages,
-                        qrows, C, holes)
+                        sel_pos, sel_count, indptr, pages, qrows, C, holes, row_of)
         return
     G, R = Hq // H, C + int(holes)
     grid = (B, H, max(1, triton.cdiv(max_len, BLOCK_PAGES)))

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, use_triton
+from ._common import _memory_row, next_pow2, use_triton
 
 
 @triton.jit
@@ -91,10 +91,7 @@ def _store_kernel(
         keep = tl.load(Rows + i) != 0
     if keep:
         pool = tl.load(Slots + i).to(tl.int64)
-        if ROW_OF:  # Sel_pos and the packed buffers by memory row, the rest by slot
-            mrow = tl.load(Row_of + pool).to(tl.int64)
-        else:
-            mrow = pool
+        mrow = _memory_row(Row_of, pool, ROW_OF)  # Sel_pos and the packed buffers; the rest by slot
         cnt = tl.load(Cnt + i).to(tl.int32)
         if HAS_LENS:
             ns = tl.minimum(tl.load(Seq_lens + i), S).to(tl.int32)

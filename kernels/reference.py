@@ -151,9 +151,12 @@ def ref_store_key_norms(k, cache_loc, norms_pool, **_ignored):
 
 
 def ref_build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start, n_sinks, sel_pos,
-                    sel_count, indptr, pages, qrows, C, holes=False):
+                    sel_count, indptr, pages, qrows, C, holes=False, row_of=None):
     """Reference of flashinfer_fast.build_lists (KV heads folded into the batch, each list
-    cut into C rows; with holes, -1 entries left out and one more row per list)."""
+    cut into C rows; with holes, -1 entries left out and one more row per list; row_of:
+    sel_pos by memory row, as in ref_fast_decode)."""
+    if row_of is not None:
+        sel_pos = sel_pos[row_of.long()]
     B, Hq, D = q.shape
     H = sel_pos.shape[1]
     G = Hq // H

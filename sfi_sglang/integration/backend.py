@@ -282,8 +282,11 @@ class SFIAttnBackend(AttentionBackend):
             rows.need = rows.need | over.any()
         if meta.extra_rows is not None:
             self.policy.mark_pending(slots, meta.extra_rows, rows.slow)
-        waits = self.step.waits[slots.to(torch.int64)]  # SFI rows without a memory row: dense
-        self.memory.count_steps(slots, fast, rows.slow, waits if over is None else over | waits, rows.deferred)
+        dense = over
+        if self.memory.rows.count is not None:  # SFI rows without a memory row run dense
+            waits = self.step.waits[slots.to(torch.int64)]
+            dense = waits if over is None else over | waits
+        self.memory.count_steps(slots, fast, rows.slow, dense, rows.deferred)
         meta.win_start = self.memory.step_window_start(slots)
         batched = self.selection.side_stream is None
         meta.layer_scores = self.scores.step(rows.sel_slots.shape[0]) if batched else None

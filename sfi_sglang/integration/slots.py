@@ -127,15 +127,17 @@ class Slots:
         With memory rows, an SFI request whose context (seq_len) is past sinks + window +
         budget takes a row now; one that gets none runs dense and waits (claim_rows)."""
         self.requests[slot] = req
-        self.memory.rows.take(slot)  # the slot's last request is gone
+        rows = self.memory.rows
+        rows.take(slot)  # the slot's last request is gone
         self._waiting.pop(slot, None)
-        self.memory.reset([slot])
         req.host = req.enabled and not on_device_path(req.cfg, self.cfg)
-        if req.host and not self.memory.give_row(slot):  # host-path methods keep no waiting state
-            req.enabled = req.host = False
         need = req.cfg.memory_tokens()
-        waits = (req.enabled and not req.host and not self.memory.rows.has(slot)
-                 and not ((seq_len is None or seq_len > need) and self.memory.give_row(slot)))
+        if req.host or (req.enabled and (seq_len is None or seq_len > need)):
+            rows.give(slot)  # none where none is free
+        self.memory.reset([slot])
+        if req.host and not rows.has(slot):  # host-path methods keep no waiting state
+            req.enabled = req.host = False
+        waits = req.enabled and not req.host and not rows.has(slot)
         if waits:
             self._waiting[slot] = need
         device_sfi = req.enabled and not req.host and not waits

@@ -32,6 +32,10 @@ class MemoryRows:
     def has(self, slot: int) -> bool:
         return self.count is None or slot in self._held
 
+    def row(self, slot: int) -> int:
+        """The slot's row, from the host copy (0: none)."""
+        return slot if self.count is None else self._held.get(slot, 0)
+
     def give(self, slot: int) -> Optional[int]:
         """A free row for the slot (host), or None when none is free. The caller resets it."""
         if not self._free or slot in self._held:
