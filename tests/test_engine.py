@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from sfi_sglang.engine import SFI_MAX_RUNNING_REQUESTS
 from sfi_sglang.method.boundary import TriggerPolicy
 from sfi_sglang.method.config import SFIConfig
 from sfi_sglang.texts import long_text
@@ -290,6 +291,8 @@ def test_a_request_without_a_memory_row_runs_dense_until_one_is_free(below_engin
     assert fit["meta_info"]["sfi"]["dense_steps"] == 3
     memory = below_engine.get_server_info()["internal_states"][0]["sfi"]["memory"]
     assert memory["rows"] == 1 and memory["rows_free"] == 1, memory
+    # with memory rows a slot holds no memory: the launcher leaves SGLang's request slots
+    assert memory["allocated_slots"] > SFI_MAX_RUNNING_REQUESTS + 1, memory
 
 
 def test_dense_below_graph_variants(engine, model_path):
