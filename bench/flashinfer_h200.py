@@ -83,6 +83,9 @@ def correctness():
                                                   (4, 128, torch.bfloat16, [513, 90, 2000, 36], 4, 64, 100, 4, None),
                                                   (4, 128, torch.bfloat16, [513, 90, 2000, 36], 4, 64, 100, 1, fp8),
                                                   (8, 128, torch.float16, [700, 260], 4, 32, 64, 1, None),
+                                                  # 300 rows: the path's buffers hold 256, two chunks
+                                                  (4, 128, torch.bfloat16, [600, 90, 1500] * 100, 4, 64, 100, 1,
+                                                   None),
                                                   (4, 128, torch.bfloat16, [32768] * 8, 4, 256, 2048, 1, None)]:
         Hkv = 8 if lens[0] == 32768 else 2
         B, M = len(lens), len(lens) + 3

@@ -22,6 +22,10 @@ length underflows. The rows' partial outputs are merged by LSE here (`merge_rows
 Per decode step: `lengths` (one Triton launch) once; per layer: `_lists_kernel` (one Triton
 launch: the page lists, the rows' indptr and the query copied to each of its rows),
 FlashInfer's decode, `merge_rows` (one Triton launch). No host work, no sync.
+
+The buffers hold CHUNK batch rows at most (0.4 MB a row for Qwen3-4B), not one per request
+slot: a larger decode step runs these three launches per chunk of CHUNK rows, each chunk's
+lists laid out from the start of the buffers (`lengths` gives offsets within the chunk).
 """
 
 import math
@@ -36,6 +40,7 @@ ROW = 128  # entries per FlashInfer row at most (FlashInfer's least split at pag
 BLOCK_PAGES = 256
 FLOAT_WORKSPACE_BYTES = 32 * 2**20  # split-KV scratch, shared by every batch size's wrapper
 INT_WORKSPACE_BYTES = 2**20  # one plan's tile tables (a few int32 per work tile)
+CHUNK = 256  # batch rows the buffers hold (a power of two: `lengths` scans chunk by chunk)
 LN2 = tl.constexpr(math.log(2.0))
 
 
@@ -46,8 +51,8 @@ def rows_per_list(cap: int) -> int:
 
 @triton.jit
 def _lengths_kernel(Req_pool_indices, Seq_lens, Fast_ws, Packed_len, Len, Start, Ws, Over, B, cap,
-                    H: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.arange(0, BLOCK)
+                    H: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr):
+    i = tl.arange(0, NC)[:, None] * CH + tl.arange(0, CH)[None, :]  # [chunk, row in chunk]
     valid = i < B
     pool = tl.load(Req_pool_indices + i, mask=valid, other=0).to(tl.int64)
     ws = tl.load(Fast_ws + pool, mask=valid, other=0)
@@ -56,17 +61,19 @@ def _lengths_kernel(Req_pool_indices, Seq_lens, Fast_ws, Packed_len, Len, Start,
     counts = tl.where(valid, counts, 0)
     L = tl.minimum(counts, cap)
     tl.store(Len + i, L.to(tl.int32), mask=valid)
-    tl.store(Start + i, ((tl.cumsum(L, 0) - L) * H).to(tl.int32), mask=valid)
+    tl.store(Start + i, ((tl.cumsum(L, 1) - L) * H).to(tl.int32), mask=valid)
     tl.store(Ws + i, ws, mask=valid)
     tl.store(Over + i, counts > cap, mask=valid)
 
 
-def lengths(req_pool_indices, seq_lens, fast_ws, packed_len, cap: int, num_kv_heads: int):
+def lengths(req_pool_indices, seq_lens, fast_ws, packed_len, cap: int, num_kv_heads: int,
+            chunk: int = CHUNK):
     """A decode step's lists, in one launch: (L [B] int32, each (row, KV head) list's
     entries, n_sinks + sel_count + the window [fast_ws, seq_len), capped at cap; start [B]
-    int32, where row b's H_kv lists begin in the page buffer (in batch order); win_start [B]
-    int64, the rows' window starts; over [B] bool, lists longer than cap). fast_ws and
-    packed_len (= n_sinks + sel_count) are per pool slot. Triton only (the path is CUDA's)."""
+    int32, where row b's H_kv lists begin in the page buffer (in batch order, from 0 again
+    at every `chunk` rows, a power of two); win_start [B] int64, the rows' window starts;
+    over [B] bool, lists longer than cap). fast_ws and packed_len (= n_sinks + sel_count)
+    are per pool slot. Triton only (the path is CUDA's)."""
     B = req_pool_indices.shape[0]
     dev = seq_lens.device
     L = torch.empty(B, dtype=torch.int32, device=dev)
@@ -74,8 +81,12 @@ def lengths(req_pool_indices, seq_lens, fast_ws, packed_len, cap: int, num_kv_he
     ws = torch.empty(B, dtype=torch.int64, device=dev)
     over = torch.empty(B, dtype=torch.bool, device=dev)
     if B:
+        CH = max(16, next_pow2(B))
+        if B > chunk:  # chunk rows from 0 again (the buffers hold `chunk` rows: a power of two)
+            assert chunk == next_pow2(chunk), chunk
+            CH = chunk
         _lengths_kernel[(1,)](req_pool_indices, seq_lens, fast_ws, packed_len, L, start, ws, over, B, int(cap),
-                              H=num_kv_heads, BLOCK=max(16, next_pow2(B)))
+                              H=num_kv_heads, NC=next_pow2(triton.cdiv(B, CH)), CH=CH)
     return L, start, ws, over
 
 
@@ -201,9 +212,10 @@ def merge_rows(o_rows, lse_rows, out, C: int, lse_out=None, R: int = 0):
 
 
 class FlashInferFastDecode:
-    """The FlashInfer fast path of one server: buffers for up to `max_rows` batch rows and
-    one planned fa2 decode wrapper per batch size (planned once, on the host, before the
-    batch size's first step or graph capture: `plan`); `run` per layer is device work only."""
+    """The FlashInfer fast path of one server: buffers for min(max_rows, CHUNK) batch rows
+    (`rows`; a larger step runs chunk by chunk) and one planned fa2 decode wrapper per chunk
+    size (planned once, on the host, before the batch size's first step or graph capture:
+    `plan`); `run` per layer is device work only."""
 
     def __init__(self, num_kv_heads: int, group: int, head_dim: int, cap: int, max_rows: int,
                  device, dtype, holes: bool = False, kv_dtype=None):
@@ -215,7 +227,8 @@ class FlashInferFastDecode:
         self.R = self.C + int(self.holes)
         self.row_len = math.ceil(self.cap / self.C)
         self.device = torch.device(device)
-        rows = max_rows * self.H * self.R
+        self.rows = min(int(max_rows), CHUNK)
+        rows = self.rows * self.H * self.R
         dev = self.device
         self.indptr = torch.zeros(rows + 1, dtype=torch.int32, device=dev)
         self.last_page_len = torch.ones(rows, dtype=torch.int32, device=dev)
@@ -228,11 +241,20 @@ class FlashInferFastDecode:
         self.wrappers: dict[int, object] = {}
 
     def buffers(self) -> list:
-        """The tensors sized by the batch rows (SparseMemory.bytes counts them per slot)."""
+        """The tensors sized by the batch rows (SparseMemory.bytes counts them)."""
         return [self.indptr, self.last_page_len, self.pages, self.qrows, self.o_rows, self.lse_rows]
 
+    def chunks(self, B: int) -> list:
+        """The batch rows [s, e) of a step of B rows that run together."""
+        return [(s, min(B, s + self.rows)) for s in range(0, B, self.rows)]
+
     def plan(self, B: int, sm_scale: float) -> None:
-        """Host: make and plan the wrapper of batch size B, once (not while a graph is captured)."""
+        """Host: make and plan the wrappers a step of B rows runs (one per chunk size), once
+        (not while a graph is captured)."""
+        for s, e in self.chunks(B):
+            self._plan(e - s, sm_scale)
+
+    def _plan(self, B: int, sm_scale: float) -> None:
         if B in self.wrappers or B == 0:
             return
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -243,10 +265,6 @@ class FlashInferFastDecode:
         if self.float_ws is None:
             self.float_ws = torch.zeros(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         n = B * self.H * self.R
-        if n > self.last_page_len.numel():
-            raise RuntimeError(f"SFI: a decode step of {B} rows, beyond the "
-                               f"{self.last_page_len.numel() // (self.H * self.R)} the FlashInfer fast "
-                               "path's buffers were made for")
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.float_ws, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=self.indptr[:n + 1],
             paged_kv_indices_buffer=self.pages, paged_kv_last_page_len_buffer=self.last_page_len[:n],
@@ -261,14 +279,20 @@ class FlashInferFastDecode:
 
     def run(self, q, k_cache, v_cache, req_to_token, req_pool_indices, L, start, seq_lens, win_start,
             n_sinks, sel_pos, sel_count, out=None, lse_out=None, row_of=None):
-        """q [B, H_q, D] -> [B, H_q, D] over each row's lists (L, start from `lengths`);
-        sel_pos [slots, H, K] of this layer (by memory row: row_of). The wrapper of batch size B must be planned."""
+        """q [B, H_q, D] -> [B, H_q, D] over each row's lists (L, start from `lengths` with
+        chunk=rows); sel_pos [slots, H, K] of this layer (by memory row: row_of). The
+        wrappers of B (`plan`) must be planned."""
         B, Hq, D = q.shape
-        n = B * self.H * self.R
-        build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start, n_sinks, sel_pos,
-                    sel_count, self.indptr, self.pages, self.qrows, self.C, self.cap, self.holes, row_of)
-        kv = (k_cache.view(-1, 1, 1, D), v_cache.view(-1, 1, 1, D))
-        self.wrappers[B].run(self.qrows[:n], kv, out=self.o_rows[:n], lse=self.lse_rows[:n], return_lse=True)
         if out is None:
             out = q.new_empty(q.shape)
-        return merge_rows(self.o_rows[:n], self.lse_rows[:n], out, self.C, lse_out, self.R)
+        kv = (k_cache.view(-1, 1, 1, D), v_cache.view(-1, 1, 1, D))
+        for s, e in self.chunks(B):
+            n = (e - s) * self.H * self.R
+            build_lists(q[s:e], req_to_token, req_pool_indices[s:e], L[s:e], start[s:e], seq_lens[s:e],
+                        win_start[s:e], n_sinks, sel_pos, sel_count, self.indptr, self.pages, self.qrows,
+                        self.C, self.cap, self.holes, row_of)
+            self.wrappers[e - s].run(self.qrows[:n], kv, out=self.o_rows[:n], lse=self.lse_rows[:n],
+                                     return_lse=True)
+            merge_rows(self.o_rows[:n], self.lse_rows[:n], out[s:e], self.C,
+                       None if lse_out is None else lse_out[s:e], self.R)
+        return out

@@ -693,3 +693,64 @@ def test_flashinfer_lists_and_merge_are_the_fast_step(G, whole_pages):
         assert rel_err(out[keep], ref[keep]) < 1e-5
         assert torch.allclose(lse[keep], ref_lse[keep], atol=1e-4)
         assert torch.equal(out[3], torch.zeros_like(out[3])) and torch.isinf(lse[3]).all()
+
+
+class _DecodeStandIn:
+    """FlashInfer's planned decode wrapper as the path runs it (`run(qrows, kv, out, lse,
+    return_lse)`), computed by its float64 stand-in over the path's own indptr and pages:
+    FlashInfer does not run on the CPU."""
+
+    def __init__(self, fi, sm):
+        self.fi, self.sm = fi, sm
+
+    def run(self, qrows, kv, out, lse, return_lse):
+        D = qrows.shape[-1]
+        o, l2 = REF.ref_paged_decode(qrows, kv[0].reshape(-1, D), kv[1].reshape(-1, D), self.fi.indptr,
+                                     self.fi.pages, self.sm)
+        out.copy_(o)
+        lse.copy_(l2)
+
+
+@kernel_test
+def test_flashinfer_path_runs_a_large_step_by_chunks():
+    """The FlashInfer path's buffers hold `rows` batch rows (min(slots, CHUNK)), not one per
+    slot: a step of more rows runs chunk by chunk, each chunk's lists from the start of the
+    buffers (`lengths(chunk=...)` restarts its offsets), and gives what one pass over the
+    whole batch gives, bit for bit, log-sum-exp included: the reference fast step."""
+    from sfi_sglang.kernels import flashinfer_fast as fif
+    from sfi_sglang.method.memory import FastLists
+
+    Hkv, G, D = 2, 2, 16
+    cfg = CFG.replace(fast_path="flashinfer", max_interval=300)
+    n_sel, t = [60, 52, 2, 40, 60], [296, 57, 2, 40, 200]
+    st, gen = make_pool(t, Hkv, G, D, seed=3)
+    ref_mem = SparseMemory(2, [1], 8, Hkv, D, cfg.replace(fast_path="triton"), DEV, torch.float32, packed=False)
+    mem = SparseMemory(2, [1], 8, Hkv, D, cfg, DEV, torch.float32, packed=True, group=G)
+    pos, cnt, ws = selection(cfg, n_sel, Hkv, gen, k=9)
+    rpi, seq_lens = st["rpi"], st["seq_lens"]
+    for m in (ref_mem, mem):
+        m.reset(rpi)
+        m.store(1, rpi, pos, cnt, ws, st["k"], st["v"], st["rtt"], seq_lens=torch.tensor(n_sel, device=DEV))
+    sm = D ** -0.5
+    whole, chunked = mem._fi, fif.FlashInferFastDecode(Hkv, G, D, mem.fast_cap, 2, DEV, torch.float32)
+    assert whole.rows == 8 and chunked.rows == 2
+    assert chunked.buffers()[2].numel() * 4 == whole.buffers()[2].numel()  # pages: 2 rows of 8
+    assert chunked.chunks(5) == [(0, 2), (2, 4), (4, 5)] and whole.chunks(5) == [(0, 5)]
+    fl = mem.fast_lists(rpi, seq_lens)
+    fl2 = FastLists(*fif.lengths(rpi, seq_lens, mem.fast_ws, mem.packed_len, mem.fast_cap, Hkv, chunk=2))
+    assert torch.equal(fl2.lengths, fl.lengths) and not fl.over.any()
+    L = fl.lengths.long() * Hkv
+    assert fl.start.tolist() == [0, *torch.cumsum(L, 0)[:4].tolist()]
+    assert fl2.start.tolist() == [0, int(L[0]), 0, int(L[2]), 0]
+    outs = []
+    for fi, f in ((whole, fl), (chunked, fl2)):
+        fi.wrappers = {n: _DecodeStandIn(fi, sm) for n in (1, 2, 5)}
+        out, lse = torch.full_like(st["q"], float("nan")), torch.full((5, Hkv * G), float("nan"))
+        fi.run(st["q"], st["k"], st["v"], st["rtt"], rpi, f.lengths, f.start, seq_lens, f.win_start, mem.n_sinks,
+               mem.sel_pos[0], mem.sel_count, out=out, lse_out=lse)
+        outs.append((out, lse))
+    (out, lse), (out2, lse2) = outs
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+    ref_lse = torch.empty(5, Hkv * G)
+    ref = ref_mem.attend_fast(1, st["q"], st["k"], st["v"], st["rtt"], rpi, seq_lens, sm, lse_out=ref_lse)
+    assert rel_err(out, ref) < 1e-5 and torch.allclose(lse, ref_lse, atol=1e-4)

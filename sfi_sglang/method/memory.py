@@ -119,7 +119,8 @@ class SparseMemory:
             self.packed_v = [torch.zeros(N, H, P, self.head_dim, dtype=dtype, device=dev) for _ in range(L)]
         if self.packed:
             self.packed_len = torch.zeros(M, dtype=torch.int32, device=dev)
-        # the FlashInfer path's lists, rows and planned wrappers, for up to M batch rows
+        # the FlashInfer path's lists, rows and planned wrappers (buffers for up to
+        # min(M, flashinfer_fast.CHUNK) batch rows: a larger step runs by chunks)
         self._fi = None
         if self.fast_path == "flashinfer":
             from sfi_sglang.kernels.flashinfer_fast import FlashInferFastDecode
@@ -314,7 +315,7 @@ class SparseMemory:
         from sfi_sglang.kernels import flashinfer_fast as fif
 
         return FastLists(*fif.lengths(req_pool_indices, seq_lens, self.fast_ws, self.packed_len,
-                                      self._fi.cap, self.num_kv_heads))
+                                      self._fi.cap, self.num_kv_heads, self._fi.rows))
 
     def attend_fast(self, layer_id: int, q: torch.Tensor, k_cache, v_cache, req_to_token,
                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
@@ -539,7 +540,7 @@ class FastLists:
     """A decode step's FlashInfer list lengths (SparseMemory.fast_lists), [B] each."""
 
     lengths: torch.Tensor  # int32, capped at fast_cap
-    start: torch.Tensor  # int32, where the row's lists begin in the page buffer
+    start: torch.Tensor  # int32, where the row's lists begin in the page buffer (within its chunk)
     win_start: torch.Tensor  # int64, the window starts
     over: torch.Tensor  # bool, lists longer than fast_cap
 
