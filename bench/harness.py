@@ -72,6 +72,7 @@ class TokenToKVPool:
 
     def __init__(self, tokens: int, layers: int, kv_heads: int, head_dim: int, dtype, device):
         shape = (tokens + 1, kv_heads, head_dim)
+        self.size = tokens  # SGLang's: the tokens it holds (+ 1 padding slot in the buffers)
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
 

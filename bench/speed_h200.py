@@ -37,6 +37,7 @@ Two parts, one process:
                     it at once (the bench's requests run in lockstep; as shipped, at most 8 a step)
      ...-rows       any sfi engine with --sfi-memory-rows of half the batch: the other half of
                     the rows hold no memory and run dense (the price of rows given out)
+     ...-autorows   any sfi engine with --sfi-memory-rows auto (not on the packed `sfi`)
 
 CONTEXTxmax: each engine at the largest batch its own KV pool holds. The engine captures
 decode graphs at 1, 8 and steps of an eighth of an upper bound on that batch (the
@@ -355,6 +356,9 @@ def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) 
     if name.endswith("-rows"):  # memory rows for half the batch (--sfi-memory-rows): the rest run dense
         kw["sfi_memory_rows"] = max(1, batch // 2)
         name = name[:-len("-rows")]
+    if name.endswith("-autorows"):  # --sfi-memory-rows auto: a row for every request the pool holds
+        kw["sfi_memory_rows"] = "auto"
+        name = name[:-len("-autorows")]
     if name.endswith("-slowall"):  # no limit on a step's slow rows
         kw["sfi_max_slow_rows"] = 0
         name = name[:-len("-slowall")]

@@ -116,6 +116,7 @@ def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict
         if ref_only and not out.get("disable_cuda_graph"):
             raise ValueError(f"{ref_only}: runs only in the torch reference (eager decode steps); "
                              "add --disable-cuda-graph, or leave it at its default")
+        cfg.check_rows(has_gpu())
         if cfg.dense_backend != "auto" and not has_gpu():
             raise ValueError(f"--sfi-dense-backend {cfg.dense_backend} needs a CUDA GPU; the CPU engine "
                              "runs torch_native (leave it at auto)")

@@ -22,7 +22,8 @@ from conftest import Server
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server("--sfi-budget", "256", "--sfi-window", "64", "--enable-deterministic-inference")
+    srv = Server("--sfi-budget", "256", "--sfi-window", "64", "--enable-deterministic-inference",
+                 "--sfi-memory-rows", "auto")
     yield srv
     srv.stop()
 
@@ -59,7 +60,9 @@ def test_a_request_gets_the_same_alone_and_in_a_batch(server, tokenizer):
     256, two at their own budget of 128), two requests sharing a 1,200-token prefix, one with
     SFI off, one with its own dense layers, outputs of 30 to 112 tokens (the longest sparse
     throughout with a slow step about every 20 tokens: each slow step is a top-k that float
-    noise could move; the alone runs take most of the time, one request after another)."""
+    noise could move; the alone runs take most of the time, one request after another).
+    With --sfi-memory-rows auto: a memory row for every request the pool holds past S+W+K,
+    so none waits for one, and all are free again once the requests end."""
     enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     greedy = lambda n, **kw: {"temperature": 0, "max_new_tokens": n, **kw}  # noqa: E731
     prefix = enc(long_text(tokenizer, 1200, start=2))
@@ -95,3 +98,12 @@ def test_a_request_gets_the_same_alone_and_in_a_batch(server, tokenizer):
     assert sfi[0]["slow_steps"] >= 3 and sfi[0]["fast_steps"] > 90  # sparse throughout
     assert not sfi[3]["enabled"] and sfi[3]["fast_steps"] == 0
     assert sfi[8]["slow_steps"] >= 1 and sfi[8]["fast_steps"] > 0
+    assert all(s.get("dense_steps", 0) == 0 for k, s in enumerate(sfi) if k != 4), sfi  # none waited
+    assert sfi[4]["dense_steps"] == 29  # within S+W+K: dense rows, no memory row
+    info = requests.get(server.url + "/server_info", timeout=60).json()
+    m, pool = info["internal_states"][0]["sfi"]["memory"], info["max_total_num_tokens"]
+    assert m["allocated_slots"] > 65  # SGLang's default request slots: a slot costs a few bytes
+    assert 0 < m["pool_tokens"] <= pool
+    assert m["rows"] == min(m["allocated_slots"], m["pool_tokens"] // (4 + 64 + 256) + 1) > len(reqs), (m, pool)
+    assert m["rows_free"] == m["rows"] and m["rows_waiting"] == 0, m
+    assert 0 < m["allocated"] <= m["reserved"] + 2**20, m  # the reservation covered the rows made

@@ -403,12 +403,14 @@ def test_speed_launches_share_fixed_batch_configs():
     assert [got[1]["caps"]["best"], got[2]["caps"]["best"]] == [64, 128]
     assert [x["engine"] for x in got[3:]] == ["sfi", "dense-best"]
     assert all(x["parts"][0][0] == 8192 and x["caps"]["graph_batches"] for x in got[3:])
-    # an engine name's suffixes: -fp8 (SGLang's fp8 KV cache), -rows, -slowall, then -nodense, -pages
+    # an engine name's suffixes: -fp8 (SGLang's fp8 KV cache), -rows, -autorows, -slowall, then -nodense, -pages
     caps = {"best": 64}
     assert S.engine_kwargs(args, "sfi-fipath-nodense-slowall-rows-fp8", "m", 32768, 8, caps) == {
         **S.engine_kwargs(args, "sfi", "m", 32768, 8, caps), "kv_cache_dtype": "fp8_e4m3",
         "sfi_max_slow_rows": 0, "sfi_dense_layers": "none", "sfi_fast_path": "flashinfer", "sfi_memory_rows": 4}
     assert S.engine_kwargs(args, "dense-flashinfer-fp8", "m", 32768, 8, caps)["kv_cache_dtype"] == "fp8_e4m3"
+    assert S.engine_kwargs(args, "sfi-pool-autorows", "m", 32768, 8, caps) == {
+        **S.engine_kwargs(args, "sfi-pool", "m", 32768, 8, caps), "sfi_memory_rows": "auto"}
 
 
 def test_paired_quality_kl_by_steps_since_a_refresh(capsys):

@@ -58,6 +58,8 @@ def test_cli_name():
     (dict(use_nms="yes"), "--sfi-use-nms"),
     (dict(fast_path="cuda"), "--sfi-fast-path must be 'triton', 'triton-pool' or 'flashinfer'"),
     (dict(dense_layers=(0, -1)), "--sfi-dense-layers"),
+    (dict(memory_rows="some"), "--sfi-memory-rows must be a non-negative integer or auto"),
+    (dict(memory_rows=-1), "--sfi-memory-rows"),
 ])
 def test_validation_names_option(kw, needle):
     with pytest.raises(SFIConfigError) as e:
@@ -219,3 +221,25 @@ def test_fp4_kv_cache_is_refused_before_launch():
         SFIConfig().check_server(1, ok)
     with pytest.raises(ValueError, match="--kv-cache-dtype fp4_e2m1 is not supported with SFI yet: use"):
         sfi_sglang.Engine(model_path="m", kv_cache_dtype="fp4_e2m1")
+
+
+def test_memory_rows_auto_follows_the_pool():
+    """--sfi-memory-rows auto (the CLI reads it as such, a number as a number): a row for
+    every request a pool holds past S + W + K, at most one per request slot; refused on
+    CUDA's packed `triton` path, whose rows also hold K/V, naming what to do."""
+    import argparse
+
+    from sfi_sglang.method.config import add_cli_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    assert config_from_args(parser.parse_args(["--sfi-memory-rows", "auto"])).memory_rows == "auto"
+    assert config_from_args(parser.parse_args(["--sfi-memory-rows", "7"])).memory_rows == 7
+    auto = SFIConfig(memory_rows="auto", sinks=4, window=64, budget=256)  # S + W + K = 324
+    assert [auto.rows_for(pool, 2049) for pool in (0, 323, 324, 24368)] == [1, 1, 2, 76]
+    assert auto.rows_for(10**9, 65) == 65
+    assert SFIConfig(memory_rows=5).rows_for(10**9, 65) == 5 and SFIConfig().rows_for(10**9, 65) == 0
+    auto.check_rows(cuda=False)
+    auto.replace(fast_path="triton-pool").check_rows(cuda=True)
+    with pytest.raises(SFIConfigError, match="auto needs a fast path that copies no K/V: add --sfi-fast-path triton-pool"):
+        auto.check_rows(cuda=True)

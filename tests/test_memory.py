@@ -315,6 +315,17 @@ def test_kv_budget_sets_aside_sparse_memory_and_key_norms():
     assert left == 1000 * kv_cell  # 1000 tokens of K/V, and their key norms beside them
     with pytest.raises(SFIConfigError, match="lower --sfi-memory-rows"):
         kv_budget((slots + 1) * per_slot, L, H, D, CFG, torch.bfloat16, True, slots)
+    # --sfi-memory-rows auto: the rows set aside are no fewer than the backend makes of the
+    # pool it gets (cfg.rows_for of SGLang's token count, at most the budget's)
+    auto = CFG.replace(memory_rows="auto")
+    for tokens in (0, 250, 5000):
+        avail = 30 * per_slot + tokens * (kv_cell + norm_cell)
+        left = kv_budget(avail, L, H, D, auto, torch.bfloat16, False, 40)
+        pool = left // kv_cell
+        made = auto.rows_for(pool, 41)
+        assert avail - left >= SparseMemory.footprint(L, H, D, auto, torch.bfloat16, False, 41, rows=made)
+        assert left <= kv_budget(avail, L, H, D, CFG.replace(memory_rows=1), torch.bfloat16, False, 40)
+    assert made == 41  # 5000 tokens hold more than the 41 slots' worth of S + W + K = 60
 
 
 def test_score_buffers_are_made_once_and_set_aside_from_the_kv_budget(monkeypatch):

@@ -85,9 +85,13 @@ class SFIAttnBackend(AttentionBackend):
         args = getattr(model_runner, "server_args", None)
         tp = getattr(args, "tp_size", 1) or 1
         cfg.check_server(tp, getattr(args, "kv_cache_dtype", "auto"))
+        cfg.check_rows(r2t.is_cuda)
         self.num_q_heads = max(1, mc.num_attention_heads // tp)
         max_slots = r2t.shape[0]
         k0 = self.token_to_kv_pool.get_key_buffer(0)
+        # memory rows: --sfi-memory-rows, auto resolved by the pool SGLang made (the same on
+        # every TP rank); 0: one per slot
+        rows = cfg.rows_for(self.token_to_kv_pool.size, max_slots)
         self.scaling = _attention_scaling(model_runner, k0.shape[2])
         if k0.dtype.itemsize == 1 and _has_kv_scales(model_runner):
             raise SFIConfigError("SFI reads an fp8 KV cache at unit scales only, and this model loaded "
@@ -98,12 +102,11 @@ class SFIAttnBackend(AttentionBackend):
                                    k0.shape[1], k0.shape[2], cfg, k0.device, k0.dtype,
                                    q_dtype=getattr(mc, "dtype", k0.dtype),
                                    group=max(1, self.num_q_heads // k0.shape[1]),
-                                   rows=cfg.memory_rows or None)
+                                   rows=rows or None)
         self.memory.fast_ws[0] = NO_WINDOW  # slot 0: SGLang's padding rows
         self.norms = KeyNorms(self.num_layers, k0.shape[0], k0.shape[1], k0.device)
         self.policy = _trigger_policy(model_runner, cfg, max_slots, self.device)
-        self.step = StepPlan(self.policy, max_slots, self.num_layers, self.device, cfg.max_slow_rows,
-                             cfg.memory_rows)
+        self.step = StepPlan(self.policy, max_slots, self.num_layers, self.device, cfg.max_slow_rows, rows)
         self.sparse_ids = cfg.sparse_layers(self.num_layers)
         self._sparse_index = {lid: i for i, lid in enumerate(self.sparse_ids)}
         self.selection = Selection(cfg, self.memory, self.norms, self._kv, r2t, self.sparse_ids)
@@ -112,7 +115,7 @@ class SFIAttnBackend(AttentionBackend):
         self.host = HostPath(self.memory, self.policy, self.step, self.selection, self.monitor)
         self.slots = Slots(cfg, self.memory, self.step, self.policy, self._kv, r2t, self.num_layers)
         self.scores = ScoreBuffers(k0.device, self.memory.packed,
-                                   score_rows(max_slots, cfg.max_slow_rows, cfg.memory_rows),
+                                   score_rows(max_slots, cfg.max_slow_rows, rows),
                                    len(self.sparse_ids),
                                    self.num_q_heads, r2t.shape[1], batched=cfg.method == "sfi")
         self.meta = StepMetadata()

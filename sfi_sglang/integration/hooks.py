@@ -173,7 +173,9 @@ def _reserve_sfi_memory(original, self, *args, **kwargs):
         from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
 
         width = mc.context_len + get_req_to_token_extra_context_len()
-        scores = ScoreBuffers.reserve_bytes(score_rows(slots + 1, cfg.max_slow_rows, cfg.memory_rows),
+        # auto: as many rows as the pool holds requests, so the limit is --sfi-max-slow-rows
+        rows = 0 if cfg.memory_rows == "auto" else cfg.memory_rows
+        scores = ScoreBuffers.reserve_bytes(score_rows(slots + 1, cfg.max_slow_rows, rows),
                                             len(cfg.sparse_layers(num_layers)),
                                             max(1, mc.num_attention_heads // sa.tp_size),
                                             width, batched=cfg.method == "sfi")
@@ -182,7 +184,7 @@ def _reserve_sfi_memory(original, self, *args, **kwargs):
                        slots, scores, group=max(1, mc.num_attention_heads // sa.tp_size // kv_heads),
                        q_dtype=getattr(mc, "dtype", None), rows=cfg.memory_rows or None)
     MEMORY.update(available=int(available), kv_budget=budget, reserved=int(available) - budget,
-                  scores=scores, slots=slots + 1, rows=cfg.memory_rows or slots + 1,
+                  scores=scores, slots=slots + 1, rows=cfg.memory_rows or slots + 1,  # the backend's count below
                   # SFI's KV pool against the one dense SGLang would size from the same bytes
                   pool_of_dense=round(budget / available, 4) if available > 0 else None)
     return budget
@@ -392,7 +394,9 @@ def _add_sfi_state(result, self, *args, **kwargs):
     if be is not None:  # what the backend allocated against what was reserved for it
         memory.update(allocated=be.memory.bytes() + be.norms.bytes() + be.scores.bytes(),
                       allocated_scores=be.scores.bytes(), allocated_slots=be.memory.max_slots,
-                      rows_free=be.memory.rows.free, rows_waiting=be.slots.waiting)
+                      rows=be.memory.rows.count or be.memory.max_slots, pool_tokens=be.token_to_kv_pool.size,
+                      rows_free=-1 if be.memory.rows.count is None else be.memory.rows.count - be.slots.rows_held,
+                      rows_waiting=be.slots.waiting)
     result.internal_state[META_KEY] = {**radix.stats(), "memory": memory,
                                        "requests": _request_maps(),
                                        # every TP rank's summary (a collective over the TP group:

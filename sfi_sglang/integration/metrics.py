@@ -171,7 +171,7 @@ class SFIMetrics:
             self.rows.labels(**self.labels).set(mem.max_slots if mem.rows.count is None else mem.rows.count)
             self.bytes.labels(**self.labels).set(self._sizes[1])
         in_use = len(backend.slots.by_rid)
-        rows = in_use if mem.rows.count is None else mem.rows.count - mem.rows.free
+        rows = in_use if mem.rows.count is None else backend.slots.rows_held
         self.slots_in_use.labels(**self.labels).set(in_use)
         self.rows_in_use.labels(**self.labels).set(rows)
         self.bytes_in_use.labels(**self.labels).set(rows * self._sizes[0])

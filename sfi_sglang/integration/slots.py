@@ -179,6 +179,13 @@ class Slots:
                 radix.start_request(self, slot, req, rid, int(prefix), int(n))
 
     @property
+    def rows_held(self) -> int:
+        """Memory rows running requests hold (host; with --sfi-memory-rows): those given
+        out less those of slots SGLang freed since the last forward (given back there)."""
+        rows = self.memory.rows
+        return rows.count - rows.free - len({s for s in self._freed if rows.row(s)})
+
+    @property
     def waiting(self) -> int:
         """SFI requests that wait for a memory row (running dense meanwhile)."""
         return len(self._waiting)

@@ -143,7 +143,9 @@ class SFIConfig:
     # context first passes sinks + window + budget (before, a fast step reads its whole
     # context anyway) and gives it back when SGLang frees its slot; one that finds none free
     # runs dense until one is. 0 = a row for every request slot, and sfi_sglang's launchers
-    # then default --max-running-requests to 64; with rows, SGLang's own default holds
+    # then default --max-running-requests to 64; with rows, SGLang's own default holds.
+    # "auto": a row for every request the KV pool can hold past that length (rows_for), so
+    # none waits; for the paths that copy no K/V (check_rows)
     memory_rows: int = 0
 
     def __post_init__(self):
@@ -187,8 +189,10 @@ class SFIConfig:
         for name in ("sinks", "cooldown", "nms_radius", "pool_radius", "topup_pages", "dense_below",
                      "max_slow_rows", "memory_rows"):
             v = getattr(self, name)
+            if name == "memory_rows" and v == "auto":
+                continue
             if not is_int(v) or v < 0:
-                bad(name, "a non-negative integer")
+                bad(name, "a non-negative integer" + (" or auto" if name == "memory_rows" else ""))
         if self.max_interval < self.min_gap:
             raise SFIConfigError(
                 f"{cli_name('max_interval')} ({self.max_interval}) must be >= "
@@ -246,6 +250,23 @@ class SFIConfig:
         if str(kv_cache_dtype).startswith("fp4"):
             raise SFIConfigError(f"--kv-cache-dtype {kv_cache_dtype} is not supported with SFI yet: "
                                  "use auto or fp8_e4m3, or serve dense with --disable-sfi")
+
+    def check_rows(self, cuda: bool) -> None:
+        """--sfi-memory-rows auto sizes the rows by the KV pool; on CUDA's default `triton`
+        fast path a row also holds the packed K/V (~0.3 GB for Qwen3-4B at the default
+        budget, about what the tokens it stands for take in the pool), which would halve it."""
+        if self.memory_rows == "auto" and cuda and self.fast_path == "triton":
+            raise SFIConfigError(f"{cli_name('memory_rows')} auto needs a fast path that copies no K/V: "
+                                 f"add {cli_name('fast_path')} triton-pool (or flashinfer), or give a "
+                                 "number of rows")
+
+    def rows_for(self, pool_tokens: int, slots: int) -> int:
+        """The memory rows a server makes (0: one per request slot): --sfi-memory-rows, or
+        with auto one for every request a KV pool of `pool_tokens` can hold past S + W + K
+        (a request takes one only there, so none waits), at most `slots`."""
+        if self.memory_rows != "auto":
+            return self.memory_rows
+        return max(1, min(int(slots), int(pool_tokens) // self.memory_tokens() + 1))
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -316,7 +337,7 @@ def add_cli_args(parser) -> None:
         else:
             shown = ",".join(map(str, default)) if kind is tuple else default
             group.add_argument(cli_name(f.name), dest=f"sfi_{f.name}",
-                               type=str if kind is tuple else kind, default=None,
+                               type=_CLI_TYPES.get(f.name, str if kind is tuple else kind), default=None,
                                help=f"default: {shown}")
     group.add_argument("--disable-sfi", action="store_true",
                        help="serve with the platform's dense attention backend (plain SGLang)")
@@ -326,6 +347,13 @@ def config_from_args(args) -> SFIConfig:
     """SFIConfig from parsed `--sfi-*` options (unset ones keep their defaults)."""
     given = {f.name: getattr(args, f"sfi_{f.name}") for f in fields(SFIConfig)}
     return SFIConfig.from_dict({k: v for k, v in given.items() if v is not None})
+
+
+def _parse_rows(text: str):
+    return "auto" if text.strip().lower() == "auto" else int(text)
+
+
+_CLI_TYPES = {"memory_rows": _parse_rows}
 
 
 def _parse_bool(text: str) -> bool:

@@ -550,15 +550,18 @@ def kv_budget(available: int, num_layers: int, num_kv_heads: int, head_dim: int,
               rows: Optional[int] = None) -> int:
     """SGLang's KV-pool byte budget once the `sfi` backend's own tensors are set aside: the
     sparse memory (`slots` + 1 request slots like SGLang's req_to_token, `rows` memory rows
-    (None: one per slot); `dtype` the KV cache's, `q_dtype` the model's where they differ:
-    an fp8 cache), the slow
+    (None: one per slot; "auto": cfg.rows_for the pool these bytes would hold without
+    them, no fewer than the backend makes of the pool it gets); `dtype` the KV cache's,
+    `q_dtype` the model's where they differ: an fp8 cache), the slow
     pass's score buffers (`scores` bytes: step.ScoreBuffers.reserve_bytes) and the key norms
     (per KV-pool token, next to the pool's K and V). Raises SFIConfigError when nothing would
     be left. Called where SGLang sizes its pools (hooks._reserve_sfi_memory)."""
-    mem = SparseMemory.footprint(num_layers, num_kv_heads, head_dim, cfg, dtype, packed, slots + 1, rows,
-                                 group, q_dtype)
     kv_cell = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
     norm_cell = num_layers * num_kv_heads * 4  # the key norms: L x float32 [tokens, H_kv]
+    if rows == "auto":
+        rows = cfg.rows_for(max(0, available - scores) // (kv_cell + norm_cell), slots + 1)
+    mem = SparseMemory.footprint(num_layers, num_kv_heads, head_dim, cfg, dtype, packed, slots + 1, rows,
+                                 group, q_dtype)
     left = (available - mem - scores) * kv_cell // (kv_cell + norm_cell)
     if left <= 0:
         raise SFIConfigError(
