@@ -184,7 +184,7 @@ def _reserve_sfi_memory(original, self, *args, **kwargs):
                        slots, scores, group=max(1, mc.num_attention_heads // sa.tp_size // kv_heads),
                        q_dtype=getattr(mc, "dtype", None), rows=cfg.memory_rows or None)
     MEMORY.update(available=int(available), kv_budget=budget, reserved=int(available) - budget,
-                  scores=scores, slots=slots + 1, rows=cfg.memory_rows or slots + 1,  # the backend's count below
+                  scores=scores, slots=slots + 1, rows=cfg.memory_rows or slots + 1,  # _add_sfi_state: the backend's
                   # SFI's KV pool against the one dense SGLang would size from the same bytes
                   pool_of_dense=round(budget / available, 4) if available > 0 else None)
     return budget

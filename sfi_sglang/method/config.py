@@ -146,7 +146,7 @@ class SFIConfig:
     # then default --max-running-requests to 64; with rows, SGLang's own default holds.
     # "auto": a row for every request the KV pool can hold past that length (rows_for), so
     # none waits; for the paths that copy no K/V (check_rows)
-    memory_rows: int = 0
+    memory_rows: int | str = 0  # str: "auto" only
 
     def __post_init__(self):
         # Normalise convenient input forms (CLI strings, JSON lists, ints for floats).
