@@ -326,6 +326,9 @@ def test_kv_budget_sets_aside_sparse_memory_and_key_norms():
         assert avail - left >= SparseMemory.footprint(L, H, D, auto, torch.bfloat16, False, 41, rows=made)
         assert left <= kv_budget(avail, L, H, D, CFG.replace(memory_rows=1), torch.bfloat16, False, 40)
     assert made == 41  # 5000 tokens hold more than the 41 slots' worth of S + W + K = 60
+    # a number of rows past the slots sets aside one per slot (the backend makes no more)
+    assert (kv_budget(avail, L, H, D, CFG, torch.bfloat16, False, 40, rows=500)
+            == kv_budget(avail, L, H, D, CFG, torch.bfloat16, False, 40, rows=41))
 
 
 def test_score_buffers_are_made_once_and_set_aside_from_the_kv_budget(monkeypatch):

@@ -263,9 +263,9 @@ class SFIConfig:
     def rows_for(self, pool_tokens: int, slots: int) -> int:
         """The memory rows a server makes (0: one per request slot): --sfi-memory-rows, or
         with auto one for every request a KV pool of `pool_tokens` can hold past S + W + K
-        (a request takes one only there, so none waits), at most `slots`."""
+        (a request takes one only there, so none waits); at most `slots` either way."""
         if self.memory_rows != "auto":
-            return self.memory_rows
+            return min(self.memory_rows, int(slots))
         return max(1, min(int(slots), int(pool_tokens) // self.memory_tokens() + 1))
 
     # ---------------------------------------------------------------- construction
