@@ -336,9 +336,9 @@ def add_cli_args(parser) -> None:
                                default=None, metavar="{true,false}", help=f"default: {default}")
         else:
             shown = ",".join(map(str, default)) if kind is tuple else default
-            group.add_argument(cli_name(f.name), dest=f"sfi_{f.name}",
-                               type=_CLI_TYPES.get(f.name, str if kind is tuple else kind), default=None,
-                               help=f"default: {shown}")
+            parse, form = _CLI_TYPES.get(f.name, (str if kind is tuple else kind, None))
+            group.add_argument(cli_name(f.name), dest=f"sfi_{f.name}", type=parse, default=None,
+                               help=f"default: {shown}" + (f" ({form})" if form else ""))
     group.add_argument("--disable-sfi", action="store_true",
                        help="serve with the platform's dense attention backend (plain SGLang)")
 
@@ -353,7 +353,7 @@ def _parse_rows(text: str):
     return "auto" if text.strip().lower() == "auto" else int(text)
 
 
-_CLI_TYPES = {"memory_rows": _parse_rows}
+_CLI_TYPES = {"memory_rows": (_parse_rows, "a number, or auto")}  # field: (parser, what it takes)
 
 
 def _parse_bool(text: str) -> bool:
