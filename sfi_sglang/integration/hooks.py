@@ -394,7 +394,7 @@ def _add_sfi_state(result, self, *args, **kwargs):
     if be is not None:  # what the backend allocated against what was reserved for it
         memory.update(allocated=be.memory.bytes() + be.norms.bytes() + be.scores.bytes(),
                       allocated_scores=be.scores.bytes(), allocated_slots=be.memory.max_slots,
-                      rows=be.memory.rows.count or be.memory.max_slots, pool_tokens=be.token_to_kv_pool.size,
+                      rows=be.memory.rows.total, pool_tokens=be.token_to_kv_pool.size,
                       rows_free=-1 if be.memory.rows.count is None else be.memory.rows.count - be.slots.rows_held,
                       rows_waiting=be.slots.waiting)
     result.internal_state[META_KEY] = {**radix.stats(), "memory": memory,

@@ -168,7 +168,7 @@ class SFIMetrics:
             norms = backend.norms.bytes()
             self._sizes = (mem.row_bytes(), mem.bytes() + norms)
             self.slots.labels(**self.labels).set(mem.max_slots)
-            self.rows.labels(**self.labels).set(mem.max_slots if mem.rows.count is None else mem.rows.count)
+            self.rows.labels(**self.labels).set(mem.rows.total)
             self.bytes.labels(**self.labels).set(self._sizes[1])
         in_use = len(backend.slots.by_rid)
         rows = in_use if mem.rows.count is None else backend.slots.rows_held

@@ -558,10 +558,9 @@ def kv_budget(available: int, num_layers: int, num_kv_heads: int, head_dim: int,
     be left. Called where SGLang sizes its pools (hooks._reserve_sfi_memory)."""
     kv_cell = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
     norm_cell = num_layers * num_kv_heads * 4  # the key norms: L x float32 [tokens, H_kv]
-    if rows == "auto":
-        rows = cfg.rows_for(max(0, available - scores) // (kv_cell + norm_cell), slots + 1)
-    elif rows is not None:  # never more than the slots (SFIConfig.rows_for)
-        rows = min(rows, slots + 1)
+    if rows is not None:  # SFIConfig.rows_for: auto from the pool without them, never past the slots
+        rows = cfg.replace(memory_rows=rows).rows_for(max(0, available - scores) // (kv_cell + norm_cell),
+                                                      slots + 1)
     mem = SparseMemory.footprint(num_layers, num_kv_heads, head_dim, cfg, dtype, packed, slots + 1, rows,
                                  group, q_dtype)
     left = (available - mem - scores) * kv_cell // (kv_cell + norm_cell)

@@ -25,6 +25,11 @@ class MemoryRows:
         return self.row_of.shape[0] if self.count is None else self.count + 1
 
     @property
+    def total(self) -> int:
+        """Rows requests can hold: `count`, or one per slot."""
+        return self.row_of.shape[0] if self.count is None else self.count
+
+    @property
     def free(self) -> int:
         """Rows no slot holds (-1: one per slot)."""
         return -1 if self.count is None else len(self._free)
