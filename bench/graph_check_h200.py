@@ -132,6 +132,7 @@ def main(argv=None) -> int:
                      if be.policy.fired is not None else None)
     eager_ids, _, eager_slow, _ = run(False)
     eager_fired = fired()
+    eager_counts = be.memory.counts[st.fb.req_pool_indices].tolist()
     graph_ids, secs, graph_slow, runner = run(True)
     res.update(refresh=args.refresh, selection_page=args.selection_page, kv_cache_dtype=args.kv_cache_dtype,
                max_slow_rows=args.max_slow_rows, memory_rows=args.memory_rows, adaptive_fired_eager=eager_fired,
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
         d = (eager_ids != graph_ids).nonzero()
         first_diff = d[0].tolist()
     res.update(tokens_equal=same, first_diff=first_diff, steps=args.steps, batch=B,
-               slow_steps_eager=eager_slow, slow_steps_graph=graph_slow, counts=counts,
+               slow_steps_eager=eager_slow, slow_steps_graph=graph_slow, counts=counts, eager_counts=eager_counts,
                graph_ms_per_step=round(1e3 * secs / args.steps, 3))
     print(json.dumps(res), flush=True)
 
