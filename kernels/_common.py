@@ -86,8 +86,11 @@ def _online_update(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, IEEE: tl.const
     qk = qk * qk_scale_log2
     qk = tl.where(mask_n[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    # a tile masked whole before any valid key (holes at a split's start) leaves m at -inf:
+    # shift by 0 there, so the softmax stays empty (alpha = p = 0) instead of NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if IEEE:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")

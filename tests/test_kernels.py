@@ -195,6 +195,14 @@ def test_fast_decode_reads_the_selection_in_place(G, D, splits, block_n, seq_len
                          holes=sel_pos, hole_base=S)
     assert rel_err(held, ref) < TOL[torch.float32]
     assert rel_err(K.ref_fast_decode(*args[:7], *pk, *args[9:], holes=sel_pos, hole_base=S), ref) < 1e-12
+    # head 0 of row 0 all holes: a split whose first tiles hold only holes starts from an
+    # empty softmax (no NaN from -inf - -inf), on both paths
+    sel_pos[pool0, 0] = -1
+    ref = K.ref_fast_decode(*args, sel_pos=sel_pos, n_sinks=n_sinks)
+    for got in (K.fast_decode(*args, **kw),
+                K.fast_decode(*args[:7], *pk, *args[9:], **{**kw, "sel_pos": None, "n_sinks": None},
+                              holes=sel_pos, hole_base=S)):
+        assert torch.isfinite(got).all() and rel_err(got, ref) < TOL[torch.float32]
 
 
 def test_fast_decode_after_pack_equals_dense_when_memory_covers_history():

@@ -373,7 +373,8 @@ def test_step_plan_limits_slow_rows_and_maps_them_to_score_rows():
     """StepPlan.begin: at most max_slow rows are slow (the first in batch order; SFI-off
     rows and the padding slot never), each with its score row; the score rows carry the
     slow rows' slots and lengths, and the rest select nothing (padding slot, length 0).
-    A row put off is slow at its next step."""
+    A row put off is slow at its next step; put off before its first selection, it runs
+    dense meanwhile (its memory holds nothing of its own)."""
     from sfi_sglang.method.boundary import TriggerPolicy
     from sfi_sglang.method.step import StepPlan
 
@@ -390,12 +391,16 @@ def test_step_plan_limits_slow_rows_and_maps_them_to_score_rows():
     rows = plan.begin(ids, slots, lens)  # no selection yet: every SFI row wants a slow step
     assert rows.slow.tolist() == [True, False, False, True, False]
     assert rows.deferred.tolist() == [False, False, False, False, True]  # row 4 put off
+    # and, with no selection to read yet, dense at every layer this step (no scores)
+    assert rows.bare.tolist() == [False, False, False, False, True]
+    assert rows.dense[4].all() and rows.need_l[:, 4].all() and not rows.dense[3, 1:].any()
     assert rows.score_row.tolist() == [0, -1, -1, 1, -1]
     assert rows.sel_slots.tolist() == [3, 6] and rows.sel_lens.tolist() == [40, 60]
     assert rows.sel_l.tolist() == [[True, False], [True, True], [True, True]]  # slot 6: layer 0 dense
     assert rows.need_l[:, 2].all()  # the SFI-off row runs every layer's dense pass, without scores
     rows = plan.begin(ids, slots, lens + 1)  # the put-off row now; the others hold selections
     assert rows.slow.tolist() == [False, False, False, False, True] and not rows.deferred.any()
+    assert not rows.bare.any() and not rows.dense[0].any()
     assert rows.score_row.tolist() == [-1, -1, -1, -1, 0]
     assert rows.sel_slots.tolist() == [2, 0] and rows.sel_lens.tolist() == [71, 0]
     assert not rows.sel_l[:, 1].any()

@@ -273,7 +273,7 @@ class SFIAttnBackend(AttentionBackend):
             force_dense[[i for i, _, _ in meta.host_rows]] = True
             force_dense = force_dense.to(slots.device)
         rows = meta.rows = self.step.begin(forward_batch.input_ids, slots, forward_batch.seq_lens, force_dense)
-        fast, over = rows.on & ~rows.slow, None
+        fast, over = rows.on & ~rows.slow & ~rows.bare, None
         if self.memory.fast_path == "flashinfer":
             self.memory.plan_fast(slots.shape[0], self.scaling)  # host, eager steps: once per size
             meta.fast_plan = lists = self.memory.fast_lists(slots, forward_batch.seq_lens)
@@ -285,10 +285,9 @@ class SFIAttnBackend(AttentionBackend):
             rows.need = rows.need | over.any()
         if meta.extra_rows is not None:
             self.policy.mark_pending(slots, meta.extra_rows, rows.slow)
-        dense = over
+        dense = rows.bare if over is None else rows.bare | over
         if self.memory.rows.count is not None:  # SFI rows without a memory row run dense
-            waits = self.step.waits[slots.to(torch.int64)]
-            dense = waits if over is None else over | waits
+            dense = dense | self.step.waits[slots.to(torch.int64)]
         self.memory.count_steps(slots, fast, rows.slow, dense, rows.deferred)
         meta.win_start = self.memory.step_window_start(slots)
         batched = self.selection.side_stream is None

@@ -280,8 +280,8 @@ class TriggerPolicy:
             kept = wanted & (torch.cumsum(wanted.to(torch.int32), 0) <= limit)
             self.deferred[slots] = wanted & ~kept
             slow = kept if limited is None else torch.where(limited.to(torch.bool), kept, slow)
-        else:
-            self.deferred[slots] = False
+        else:  # index_fill_, not `[slots] = False`: no host-to-device copy in a graph's capture
+            self.deferred.index_fill_(0, slots, False)
 
         take = is_b & (d > self.cooldown[slots])
         self.since[slots] = torch.where(slow, torch.zeros_like(d), d)

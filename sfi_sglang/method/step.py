@@ -17,7 +17,8 @@ indexed by token id) and the per-slot counters.
 SGLang's init_forward_metadata_in_graph, so a CUDA graph of the step records it and every
 replay decides afresh. It leaves per-row tensors for the layers:
     slow      [B]     the row runs a slow step (dense attention + Selector)
-    dense     [B, L]  the row is dense at layer l (SFI off for it, or one of its dense layers)
+    dense     [B, L]  the row is dense at layer l (SFI off for it, one of its dense layers,
+                      or no selection yet and its first slow step put off: `bare`)
     need      [L]     some row of the batch needs the dense pass at layer l (a slow or a
                       dense row): the predicate of that layer's conditional graph node
     need_l    [L, B]  per layer: the rows of its dense pass
@@ -52,6 +53,7 @@ class Rows:
     need: torch.Tensor  # [L] bool
     need_l: torch.Tensor  # [L, B] bool: the row needs layer l's dense pass (slow or dense)
     any_slow: torch.Tensor  # [] bool: some row is slow (the step's end selects)
+    bare: torch.Tensor  # [B] bool: an SFI row without a selection, not slow (put off): dense
     deferred: torch.Tensor  # [B] bool: a slow step put off to the row's next step (the limit)
     score_row: torch.Tensor  # [B] int32: the row's score row (rank among slow rows), -1: none
     sel_slots: torch.Tensor  # [R] int64: each score row's slot (0, the padding slot: none)
@@ -158,8 +160,12 @@ class StepPlan:
         old = self.slow_log[slots, at]
         self.slow_log[slots, at] = torch.where(slow & (n < SLOW_LOG), steps, old)
         self.slow_n[slots] = n + slow.to(torch.int32)
-        self.has_sel[slots] = self.has_sel[slots] | slow
-        dense = self.dense[slots] | ~on[:, None]
+        has_sel = self.has_sel[slots] | slow
+        self.has_sel[slots] = has_sel
+        # a row whose first slow step the limit put off has no memory to read yet (an empty
+        # one, or a reused row's stale one): it runs dense this step, as a row without SFI
+        bare = on & ~has_sel
+        dense = self.dense[slots] | ~(on & ~bare)[:, None]
         need = dense | slow[:, None]
         slow_l = (slow[:, None] & ~dense).t()  # [L, B]: the row selects at layer l
         # the score rows: slow rows in batch order (at most R of them, policy.step's limit);
@@ -174,7 +180,7 @@ class StepPlan:
         sel_lens = torch.where(used, seq_lens[row_of], 0)
         # per-layer rows made once per step, so a layer indexes them (no launch per layer)
         return Rows(on=on, slow=slow, dense=dense, need=need.any(0), need_l=need.t().contiguous(),
-                    any_slow=slow.any(), deferred=self.policy.deferred[slots] & device,
+                    any_slow=slow.any(), bare=bare, deferred=self.policy.deferred[slots] & device,
                     score_row=score_row, sel_slots=sel_slots, sel_lens=sel_lens,
                     sel_l=slow_l[:, row_of] & used[None, :])
 
