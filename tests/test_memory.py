@@ -404,6 +404,14 @@ def test_step_plan_limits_slow_rows_and_maps_them_to_score_rows():
     assert rows.score_row.tolist() == [-1, -1, -1, -1, 0]
     assert rows.sel_slots.tolist() == [2, 0] and rows.sel_lens.tolist() == [71, 0]
     assert not rows.sel_l[:, 1].any()
+    # a step the whole batch ran dense: every SFI row refreshes at its next step; the one past
+    # the limit reads the selection it holds meanwhile (behind by a token, not bare)
+    plan.skip(slots)
+    rows = plan.begin(ids, slots, lens + 3)
+    assert rows.slow.tolist() == [True, False, False, True, False]
+    assert rows.deferred.tolist() == [False, False, False, False, True]
+    assert not rows.bare.any() and not rows.dense[4].any()
+    assert plan.begin(ids, slots, lens + 4).slow.tolist() == [False, False, False, False, True]
     unlimited = StepPlan(pol, slots_n, L, "cpu").begin(ids, slots, lens)
     assert unlimited.sel_slots.shape == (5,)  # one score row per batch row
 

@@ -132,11 +132,12 @@ class StepPlan:
     # ------------------------------------------------------------------ device side
     def skip(self, slots: torch.Tensor) -> None:
         """A decode step the whole batch ran dense (dense_step): each row's step is counted,
-        and its memory, behind by this token, is refreshed at its next SFI step (a slow step,
-        as a row without a selection). Device ops, no host sync: CUDA-graph capturable."""
+        and its memory, behind by this token, wants a refresh at its next SFI step (the
+        trigger's `deferred`: slow there, or, past the step's limit, fast over the selection
+        it still holds until its turn). Device ops, no host sync: CUDA-graph capturable."""
         slots = slots.to(torch.int64)
         self.steps[slots] = self.steps[slots] + 1
-        self.has_sel[slots] = self.has_sel[slots] & (slots == 0)  # padding slot 0 keeps its own
+        self.policy.deferred[slots] = self.policy.deferred[slots] | (slots != 0)  # not the padding slot
 
     def begin(self, input_ids: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
               force_dense=None) -> Rows:
