@@ -492,9 +492,12 @@ class Runner:
         return torch.stack(out, 1), self._elapsed(t0, t1)
 
     # -------------------------------------------------------------- SFI
-    def run_sfi(self, first_ids, steps):
-        """First step (the bootstrap-less first selection) untimed, then `steps` timed."""
+    def run_sfi(self, first_ids, steps, forced=None):
+        """First step (the bootstrap-less first selection) untimed, then `steps` timed.
+        forced [B, steps + 1]: after step k feed forced[:, k], not the token picked
+        (teacher forcing: the picks then say what this path chooses on that history)."""
         st, m, be = self.st, self.st.model, self.st.sfi
+        feed = (lambda k, nxt: nxt) if forced is None else (lambda k, nxt: forced[:, k])
         st.reset(first_ids)
         out = []
 
@@ -516,13 +519,13 @@ class Runner:
 
         nxt = one()  # first decode step: every request selects (slow)
         out.append(nxt.clone())
-        st.advance(nxt)
+        st.advance(feed(0, nxt))
         slow0 = slow_count()
         t0 = self._timer()
-        for _ in range(steps):
+        for k in range(steps):
             nxt = one()
             out.append(nxt.clone())
-            st.advance(nxt)
+            st.advance(feed(k + 1, nxt))
         t1 = self._timer()
         slow_steps = (slow_count() - slow0) // max(1, st.B)
         return torch.stack(out, 1), self._elapsed(t0, t1), slow_steps

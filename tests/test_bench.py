@@ -322,6 +322,34 @@ def test_skipped_and_always_run_slow_pass_decode_the_same(monkeypatch):
     assert counts0[slots[0], 0] > 0  # fast steps happened, where the pass was skipped
 
 
+def test_sfi_runs_teacher_forced():
+    """Runner.run_sfi(forced=...), what the graph check compares two fast paths with: after
+    step k it feeds forced[:, k], not its pick. Fed its own free run's picks it picks them
+    again (the feed is aligned to the step); fed other tokens, its first pick (made before
+    any feed) is the free run's, the later ones differ, and the batch ends on the last fed."""
+    import torch
+
+    import harness as bench
+    from sfi_sglang.integration import state
+    from sfi_sglang.method.config import SFIConfig
+
+    cfg = SFIConfig(sinks=4, window=8, budget=16, refresh="interval", max_interval=3, min_gap=1)
+    model = bench.DummyModel(bench.SHAPES["tiny"], torch.float32, "cpu")
+    first = torch.tensor([5, 7, 11])
+    st = bench.Setup(model, cfg, 70, 3, 12, "cpu", torch.float32)
+    try:
+        run = bench.Runner(st, False)
+        free, _, _ = run.run_sfi(first, 8)
+        again, _, _ = run.run_sfi(first, 8, forced=free)
+        assert torch.equal(again, free)
+        other = (free * 7 + 3) % bench.SHAPES["tiny"]["vocab"]
+        fed, _, _ = run.run_sfi(first, 8, forced=other)
+        assert torch.equal(fed[:, 0], free[:, 0]) and not torch.equal(fed[:, 1:], free[:, 1:])
+        assert torch.equal(st.fb.input_ids, other[:, -1])
+    finally:
+        state.BACKENDS.remove(st.sfi)
+
+
 def test_speed_merge_copies_each_row_whole_from_one_run(tmp_path):
     """bench/plot_speed_h200.py --merge: a later call wins the rows it shares, every row names
     its call, and a row without both SFI and a dense engine (a call cut by its deadline) is
