@@ -91,7 +91,7 @@ def test_a_request_gets_the_same_alone_and_in_a_batch(server, tokenizer):
         a = post(*req)
         first = next((k for k, (x, y) in enumerate(zip(b["output_ids"], a["output_ids"])) if x != y), None)
         assert b["output_ids"] == a["output_ids"], (i, first)
-        assert b["meta_info"]["sfi"]["slow_at"] == a["meta_info"]["sfi"]["slow_at"], i
+        assert b["meta_info"]["sfi"]["slow_at"] == a["meta_info"]["sfi"]["slow_at"], (i, b["meta_info"], a["meta_info"])
         assert _garbage(b["text"]) == 0, (i, b["text"][-200:])
     sfi = [o["meta_info"]["sfi"] for o in batch]
     assert len(batch[0]["output_ids"]) == 112 and len(batch[5]["output_ids"]) == 40

@@ -243,11 +243,13 @@ def test_cpu_dense_extend_after_a_prefix_is_sglangs_to_the_bit():
 @pytest.fixture(scope="module")
 def below_engine(dense, prompts, tokenizer):
     """An engine with --sfi-dense-below (decode step j of the long prompt alone has n0 + j
-    tokens: steps 1..11 hold fewer than n0 - S - W - K + 12 beyond) and one memory row;
+    tokens: steps 1..11 hold fewer than n0 - S - W - K + 12 beyond), one memory row and
+    prompts prefilled in chunks of 256 tokens (fewer than S + W + K);
     started after the dense engine's references (one engine at a time: SGLang's subprocess
     watchdog of an engine shut down beside another one signals the test process)."""
     n0 = len(tokenizer.encode(prompts["long"]))
-    engine = start_engine(**SFI, sfi_dense_below=n0 - CFG.memory_tokens() + 12, sfi_memory_rows=1)
+    engine = start_engine(**SFI, sfi_dense_below=n0 - CFG.memory_tokens() + 12, sfi_memory_rows=1,
+                          chunked_prefill_size=256)
     yield engine
     engine.shutdown()
 
@@ -282,6 +284,9 @@ def test_a_request_without_a_memory_row_runs_dense_until_one_is_free(below_engin
                                                                      {**sp, "max_new_tokens": 48}])
     a, b = first["meta_info"]["sfi"], second["meta_info"]["sfi"]
     assert a.get("dense_steps", 0) == 0 and a["fast_steps"] + a["slow_steps"] == 15, a
+    # prompts in chunks of 256 (<= S + W + K): the first took the row at its second chunk and
+    # selected at its prompt's end, as unchunked (no slow first decode step)
+    assert a["bootstrap_computed"] == 1 and 1 not in a["slow_at"], a
     waited = b["dense_steps"]
     assert 14 <= waited <= 17, b  # while the first ran (its 15 decode steps), give or take a step
     assert b["slow_at"][0] == waited + 1 and b["fast_steps"] + b["slow_steps"] + waited == 47, b

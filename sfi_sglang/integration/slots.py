@@ -165,6 +165,10 @@ class Slots:
         for slot, rid, prefix, n in zip(slots, rids, prefix_lens, seq_lens):
             old = self.requests.get(slot)
             if old is not None and old.rid == rid and rid is not None:
+                # a prompt's next chunk: a request waiting for a row takes one once its
+                # context passes S + W + K, and starts its selection as at a first extend
+                if self._claim_row(slot, int(n)):
+                    radix.start_request(self, slot, old, rid, int(prefix), int(n))
                 continue
             suspended = self.suspended.pop(rid, None) if rid is not None else None
             if suspended is not None:
@@ -200,10 +204,18 @@ class Slots:
         if slots is None or lens is None or slots.shape != lens.shape:
             return  # no host copy of the batch: it waits for a step that has one
         for slot, n in zip(slots.tolist(), lens.tolist()):
-            need = self._waiting.get(slot)
-            if need is not None and n > need and self.memory.give_row(slot):
-                del self._waiting[slot]
-                self.step.got_row(slot)  # give_row reset its memory: a fast step reads it all
+            self._claim_row(slot, n)
+
+    def _claim_row(self, slot: int, n: int) -> bool:
+        """A waiting request whose context (n tokens) passed sinks + window + budget takes a
+        free row: SFI runs for it from this forward (a prompt chunk's bootstrap, or a decode
+        step's slow step, makes its first selection)."""
+        need = self._waiting.get(slot)
+        if need is None or n <= need or not self.memory.give_row(slot):
+            return False
+        del self._waiting[slot]
+        self.step.got_row(slot)  # give_row reset its memory
+        return True
 
     def _config(self, custom_params) -> tuple[bool, SFIConfig]:
         """A request's (enabled, config), cached by its options (the tokenizer side checked them)."""
