@@ -120,9 +120,10 @@ def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict
         if cfg.dense_backend != "auto" and not has_gpu():
             raise ValueError(f"--sfi-dense-backend {cfg.dense_backend} needs a CUDA GPU; the CPU engine "
                              "runs torch_native (leave it at auto)")
-        # Without --sfi-memory-rows each request slot holds SFI's sparse memory (on CUDA ~0.3
-        # GB for Qwen3-4B at the default budget, SparseMemory.footprint); SGLang's default is
-        # 2048+ slots. With memory rows a slot costs a few bytes and SGLang's default holds.
+        # Without --sfi-memory-rows each request slot holds SFI's sparse memory (for Qwen3-4B
+        # at the default budget ~2.4 MB of selected positions, ~0.3 GB on the packed `triton`
+        # fast path: SparseMemory.footprint); SGLang's default is 2048+ slots. With memory
+        # rows a slot costs a few bytes and SGLang's default holds.
         if not cfg.memory_rows:
             out.setdefault("max_running_requests", SFI_MAX_RUNNING_REQUESTS)
         out.setdefault("triton_attention_num_kv_splits", SFI_TRITON_KV_SPLITS)

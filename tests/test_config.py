@@ -240,7 +240,7 @@ def test_memory_rows_auto_follows_the_pool():
     assert auto.rows_for(10**9, 65) == 65
     assert SFIConfig(memory_rows=5).rows_for(10**9, 65) == 5 and SFIConfig().rows_for(10**9, 65) == 0
     assert SFIConfig(memory_rows=500).rows_for(0, 65) == 65  # never more rows than slots
-    auto.check_rows(cuda=False)
-    auto.replace(fast_path="triton-pool").check_rows(cuda=True)
-    with pytest.raises(SFIConfigError, match="auto needs a fast path that copies no K/V: add --sfi-fast-path triton-pool"):
-        auto.check_rows(cuda=True)
+    auto.check_rows(cuda=True)  # the default fast path reads in place
+    auto.replace(fast_path="triton").check_rows(cuda=False)
+    with pytest.raises(SFIConfigError, match="auto needs a fast path that copies no K/V: use --sfi-fast-path triton-pool .the default."):
+        auto.replace(fast_path="triton").check_rows(cuda=True)

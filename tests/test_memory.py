@@ -105,7 +105,7 @@ def dense64(st, sm_scale):
     return out
 
 
-CFG = SFIConfig(sinks=4, window=8, budget=48, dense_layers=())
+CFG = SFIConfig(sinks=4, window=8, budget=48, dense_layers=(), fast_path="triton")  # packed: the copy path
 
 
 def fast_positions(mem, layer_id: int, slot: int, t: int) -> torch.Tensor:
@@ -421,7 +421,7 @@ def test_step_plan_limits_slow_rows_and_maps_them_to_score_rows():
 @pytest.mark.parametrize("G,full", [(1, True), (3, False), (4, False), (4, True)])
 def test_kernel_path_matches_reference(G, full):
     Hkv, D = 2, 32
-    cfg = SFIConfig(sinks=4, window=8, budget=40 if full else 12, dense_layers=())
+    cfg = SFIConfig(sinks=4, window=8, budget=40 if full else 12, dense_layers=(), fast_path="triton")
     n_sel = [30, 52, 3, 17] if full else [60, 52, 3, 17]
     t = [34, 52, 6, 20] if full else [66, 52, 6, 20]
     st, gen = make_pool(t, Hkv, G, D, seed=None)
@@ -458,7 +458,7 @@ def test_kernel_store_is_the_reference_store_in_one_launch():
     torch path, packs sinks + selection, and leaves rows outside `rows` untouched:
     short selections (K' < K), a context shorter than the sinks, a masked-out row."""
     Hkv, D = 2, 16
-    cfg = SFIConfig(sinks=4, window=8, budget=12, dense_layers=())
+    cfg = SFIConfig(sinks=4, window=8, budget=12, dense_layers=(), fast_path="triton")
     n_sel = [60, 3, 40, 52]
     st, gen = make_pool([64, 6, 44, 56], Hkv, 2, D, seed=3)
     mems = [SparseMemory(2, [1], 8, Hkv, D, cfg, DEV, torch.float32, packed=p) for p in (False, True)]
@@ -532,7 +532,7 @@ def test_kernel_path_half_precision_and_restore():
     on bf16 returns garbage, see test_kernels.py); a second selection overwrites the first."""
     Hkv, G, D = 2, 4, 32
     dt = torch.bfloat16 if DEV == "cuda" else torch.float16
-    cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=())
+    cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=(), fast_path="triton")
     t = [70, 45]
     st, gen = make_pool(t, Hkv, G, D, dtype=dt)
     mems = [SparseMemory(1, [0], 8, Hkv, D, cfg, DEV, dt, packed=p) for p in (False, True)]

@@ -118,9 +118,12 @@ class SFIConfig:
     # sinks and the selected positions in place from SGLang's pool, through req_to_token:
     # no packed copy per request slot) or "flashinfer" (FlashInfer's paged decode over the
     # same positions in place, page size 1, KV heads folded into the batch, in the decode
-    # graphs; needs flashinfer). Default by measurement: bench/NOTES.md sections 14, 32 and
-    # 41. The CPU always runs the torch reference.
-    fast_path: str = "triton"
+    # graphs; needs flashinfer). Default by measurement (bench/NOTES.md sections 14, 32, 41
+    # and 47): "triton-pool" gives the packed path's tokens, a KV pool within 1% of dense's
+    # instead of 85-97% (more sequences at the largest batch), for batch-1 steps 2-6%
+    # slower at 16K-32K.
+    # The CPU always runs the torch reference.
+    fast_path: str = "triton-pool"
     # the dense attention backend SFI wraps (server-wide): it runs prefill, the dense layers
     # and SFI-off rows. "auto": SGLang's triton on CUDA, torch_native on the CPU engine;
     # "triton"; "flashinfer" (CUDA, needs flashinfer)
@@ -252,13 +255,13 @@ class SFIConfig:
                                  "use auto or fp8_e4m3, or serve dense with --disable-sfi")
 
     def check_rows(self, cuda: bool) -> None:
-        """--sfi-memory-rows auto sizes the rows by the KV pool; on CUDA's default `triton`
-        fast path a row also holds the packed K/V (~0.3 GB for Qwen3-4B at the default
+        """--sfi-memory-rows auto sizes the rows by the KV pool; on CUDA's `triton` fast
+        path a row also holds the packed K/V (~0.3 GB for Qwen3-4B at the default
         budget, about what the tokens it stands for take in the pool), which would halve it."""
         if self.memory_rows == "auto" and cuda and self.fast_path == "triton":
             raise SFIConfigError(f"{cli_name('memory_rows')} auto needs a fast path that copies no K/V: "
-                                 f"add {cli_name('fast_path')} triton-pool (or flashinfer), or give a "
-                                 "number of rows")
+                                 f"use {cli_name('fast_path')} triton-pool (the default) or flashinfer, "
+                                 "or give a number of rows")
 
     def rows_for(self, pool_tokens: int, slots: int) -> int:
         """The memory rows a server makes (0: one per request slot): --sfi-memory-rows, or
