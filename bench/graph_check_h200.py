@@ -180,10 +180,20 @@ def main(argv=None) -> int:
         # free runs part at the first pick bf16 sums in another order turn (random weights
         # have near ties); fed this path's tokens, triton's picks at every step of one history
         forced, _, _ = tri.run_sfi(first, args.steps, forced=graph_ids)
+        # the same forced run eager, with each step's logit gap between triton's pick and
+        # this path's, in bf16 rounding steps: near ties (a few steps) are what summation
+        # order turns; a gap of many steps would be a fault
+        eager = bench.Runner(st, False)
+        forced_eager, _, _ = eager.run_sfi(first, args.steps, forced=graph_ids, gaps=True)
+        g = eager.gaps[(forced_eager != graph_ids).cpu()]
         res.update(triton_tokens_equal=bool(torch.equal(ids, graph_ids)),
                    triton_agreement=round(float(agree.mean()), 4),
                    triton_first_diff=diff[0].tolist() if diff.numel() else None,
-                   triton_forced_agreement=round(float((forced == graph_ids).float().mean()), 4))
+                   triton_forced_agreement=round(float((forced == graph_ids).float().mean()), 4),
+                   triton_forced_eager_equal=bool(torch.equal(forced_eager, forced)),
+                   forced_gap_steps=sorted(round(float(x), 1) for x in g),
+                   top2_margin_steps_quartiles=[round(float(x), 1) for x in
+                                                torch.quantile(eager.margins.flatten(), torch.tensor([.25, .5, .75]))])
         print(json.dumps(res), flush=True)
         state.BACKENDS.clear()
     os.makedirs(args.out, exist_ok=True)

@@ -447,6 +447,13 @@ def _graph(fn, warmup: int = 2):
     return g, out
 
 
+def rounding_step(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of x's dtype at |x| (float32): 2^(exponent - mantissa bits)."""
+    mant = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}[x.dtype]
+    _, e = torch.frexp(x.float().abs().clamp_min(torch.finfo(torch.float32).tiny))
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), e - 1 - mant)
+
+
 class Runner:
     """Decode loops of one Setup: dense, SFI, and the parts of the ideal bound."""
 
@@ -492,14 +499,20 @@ class Runner:
         return torch.stack(out, 1), self._elapsed(t0, t1)
 
     # -------------------------------------------------------------- SFI
-    def run_sfi(self, first_ids, steps, forced=None):
+    def run_sfi(self, first_ids, steps, forced=None, gaps=False):
         """First step (the bootstrap-less first selection) untimed, then `steps` timed.
         forced [B, steps + 1]: after step k feed forced[:, k], not the token picked
-        (teacher forcing: the picks then say what this path chooses on that history)."""
+        (teacher forcing: the picks then say what this path chooses on that history).
+        gaps (eager runs, with forced): self.gaps [B, steps + 1] is, at each step, this
+        path's logit of its pick less its logit of forced[:, k], in units of the logits'
+        rounding step there (their dtype's spacing at the pick's logit): 0 where both pick
+        the same; a pick that differs by a few units is a near tie that summation order
+        alone can turn. self.margins: the top two logits' gap in the same units."""
         st, m, be = self.st, self.st.model, self.st.sfi
         feed = (lambda k, nxt: nxt) if forced is None else (lambda k, nxt: forced[:, k])
+        assert not gaps or (forced is not None and not self.graphs), "gaps: an eager, forced run"
         st.reset(first_ids)
-        out = []
+        out, gap, margin = [], [], []
 
         def slow_count():
             return int(be.memory.counts[st.fb.req_pool_indices, 1].sum())
@@ -510,7 +523,17 @@ class Runner:
             be.init_forward_metadata_out_graph(st.fb)
             if not self.graphs:
                 be.init_forward_metadata_in_graph(st.fb)
-                return m.step(be, st.fb)
+                if not gaps:
+                    return m.step(be, st.fb)
+                logits = m.step(be, st.fb, return_logits=True)
+                pick = logits.argmax(-1)
+                top = logits.gather(1, pick[:, None])[:, 0]
+                theirs = logits.gather(1, forced[:, len(out)][:, None])[:, 0]
+                unit = rounding_step(top)
+                gap.append(((top - theirs).float() / unit).cpu())
+                two = logits.topk(2, -1).values
+                margin.append(((two[:, 0] - two[:, 1]).float() / unit).cpu())
+                return pick
             if self._sfi_graph is None:
                 self._sfi_graph = self._capture()
             graph, out_ids = self._sfi_graph
@@ -528,6 +551,8 @@ class Runner:
             st.advance(feed(k + 1, nxt))
         t1 = self._timer()
         slow_steps = (slow_count() - slow0) // max(1, st.B)
+        self.gaps = torch.stack(gap, 1) if gaps else None
+        self.margins = torch.stack(margin, 1) if gaps else None
         return torch.stack(out, 1), self._elapsed(t0, t1), slow_steps
 
     def _capture(self):

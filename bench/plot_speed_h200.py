@@ -24,10 +24,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 NAMES = {"dense": "dense, SGLang defaults (8 splits)", "dense-best": "dense, best split cap (sweep)",
-         "dense-flashinfer": "dense, flashinfer", "sfi": "SFI as shipped",
+         "dense-flashinfer": "dense, flashinfer", "sfi": "SFI, default flags of its run",
          "sfi-pool": "SFI, fast path reading the pool", "sfi-fi": "SFI, dense passes on flashinfer",
          "sfi-below": "SFI, flashinfer, dense steps below the threshold",
-         "sfi-pages": "SFI, whole pages of 16", "sfi-pool-pages": "SFI, pool read, whole pages of 16"}
+         "sfi-pages": "SFI, whole pages of 16", "sfi-pool-pages": "SFI, pool read, whole pages of 16",
+         "sfi-pool-autorows": "SFI, pool read, memory rows auto",
+         "sfi-fipath-autorows": "SFI, flashinfer fast path, memory rows auto"}
 
 
 def merge(out: str, runs: list[str]) -> str:
@@ -48,7 +50,7 @@ def merge(out: str, runs: list[str]) -> str:
         sweep += [dict(s, source=src) for s in res["sweep"]]
     order = sorted(rows, key=lambda k: (k[0], k[1] == "max", int(k[1]) if k[1] != "max" else 0))
     with open(out, "w") as f:
-        json.dump(dict(merged_from=[os.path.basename(p) for p in runs], shape=res["shape"],
+        json.dump(dict(merged_from=[os.path.basename(p) for p in runs], shape=res["shape"], device=res.get("device"),
                        slow_every=res["slow_every"], steps=res["steps"], rows=[rows[k] for k in order],
                        sweep=sweep), f, indent=1)
     return main(out)
@@ -73,7 +75,8 @@ def main(path: str = "bench/results/speed_h200.json") -> str:
     ax.set_xticklabels([f"{r['context'] // 1024}K x {r['batch']}\n{r.get('speedup') or max(r['speedups'].values())}x vs best dense"
                         for r in rows], fontsize=8)
     ax.set_ylabel("ms per decode step")
-    ax.set_title("Real SGLang 0.5.23, Qwen3-4B shape, H200 (each row from one run)")
+    card = str(res.get("device") or "H200").replace("NVIDIA ", "")
+    ax.set_title(f"Real SGLang 0.5.23, Qwen3-4B shape, {card} (each row from one run)")
     ax.legend(fontsize=7)
     for i, e in enumerate(engines):
         xs = [j + i * width for j, r in enumerate(top) if e in r.get("tokens_per_s", {})]

@@ -326,7 +326,9 @@ def test_sfi_runs_teacher_forced():
     """Runner.run_sfi(forced=...), what the graph check compares two fast paths with: after
     step k it feeds forced[:, k], not its pick. Fed its own free run's picks it picks them
     again (the feed is aligned to the step); fed other tokens, its first pick (made before
-    any feed) is the free run's, the later ones differ, and the batch ends on the last fed."""
+    any feed) is the free run's, the later ones differ, and the batch ends on the last fed.
+    gaps=True: the logit of each pick less that of the fed token, in rounding steps: 0 where
+    they agree, positive exactly where they differ."""
     import torch
 
     import harness as bench
@@ -340,12 +342,16 @@ def test_sfi_runs_teacher_forced():
     try:
         run = bench.Runner(st, False)
         free, _, _ = run.run_sfi(first, 8)
-        again, _, _ = run.run_sfi(first, 8, forced=free)
-        assert torch.equal(again, free)
+        again, _, _ = run.run_sfi(first, 8, forced=free, gaps=True)
+        assert torch.equal(again, free) and run.gaps.shape == free.shape and not run.gaps.any()
         other = (free * 7 + 3) % bench.SHAPES["tiny"]["vocab"]
-        fed, _, _ = run.run_sfi(first, 8, forced=other)
+        fed, _, _ = run.run_sfi(first, 8, forced=other, gaps=True)
         assert torch.equal(fed[:, 0], free[:, 0]) and not torch.equal(fed[:, 1:], free[:, 1:])
         assert torch.equal(st.fb.input_ids, other[:, -1])
+        assert torch.equal(run.gaps > 0, fed != other) and (run.gaps >= 0).all()
+        assert (run.margins > 0).all() and (run.gaps >= run.margins)[fed != other].all()
+        x = torch.tensor([1.0, 3.0, -0.3], dtype=torch.bfloat16)  # spacings 2^-7, 2^-6, 2^-9
+        assert bench.rounding_step(x).tolist() == [2 ** -7, 2 ** -6, 2 ** -9]
     finally:
         state.BACKENDS.remove(st.sfi)
 
