@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 NAMES = {"dense": "dense, SGLang defaults (8 splits)", "dense-best": "dense, best split cap (sweep)",
          "dense-flashinfer": "dense, flashinfer", "sfi": "SFI, default flags of its run",
-         "sfi-pool": "SFI, fast path reading the pool", "sfi-fi": "SFI, dense passes on flashinfer",
+         "sfi-pool": "SFI, fast path reading the pool", "sfi-triton": "SFI, packed fast path", "sfi-fi": "SFI, dense passes on flashinfer",
          "sfi-below": "SFI, flashinfer, dense steps below the threshold",
          "sfi-pages": "SFI, whole pages of 16", "sfi-pool-pages": "SFI, pool read, whole pages of 16",
          "sfi-pool-autorows": "SFI, pool read, memory rows auto",

@@ -21,7 +21,9 @@ Two parts, one process:
      sfi            the `sfi` backend as shipped (its own split cap: sfi_sglang.engine)
      sfi-sN         the same with an explicit --triton-attention-num-kv-splits N
      sfi-pool       the same with --sfi-fast-path triton-pool (sinks and selection read in
-                    place from the pool: no packed copy, so its pool holds more sequences)
+                    place from the pool: no packed copy; the default fast path since NOTES 47)
+     sfi-triton     the same with --sfi-fast-path triton (a packed copy per request slot:
+                    `sfi` before NOTES 47; its pool holds fewer sequences)
      sfi-fi         the same with --sfi-dense-backend flashinfer (prefill, dense layers and
                     SFI-off rows on FlashInfer; carry .fi)
      sfi-fipath     the same with --sfi-fast-path flashinfer (fast steps through FlashInfer's
@@ -37,7 +39,7 @@ Two parts, one process:
                     it at once (the bench's requests run in lockstep; as shipped, at most 8 a step)
      ...-rows       any sfi engine with --sfi-memory-rows of half the batch: the other half of
                     the rows hold no memory and run dense (the price of rows given out)
-     ...-autorows   any sfi engine with --sfi-memory-rows auto (not on the packed `sfi`)
+     ...-autorows   any sfi engine with --sfi-memory-rows auto (not on `sfi-triton`)
 
 CONTEXTxmax: each engine at the largest batch its own KV pool holds. The engine captures
 decode graphs at 1, 8 and steps of an eighth of an upper bound on that batch (the
@@ -371,8 +373,10 @@ def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) 
     suffix = name.split("-", 1)[1] if "-" in name else ""
     if suffix == "best":
         suffix = f"s{caps['best']}"
-    if name == "sfi-pool":  # the fast kernel reads the pool in place (no packed copy)
+    if name == "sfi-pool":  # the fast kernel reads the pool in place (no packed copy; the default)
         kw["sfi_fast_path"] = "triton-pool"
+    elif name == "sfi-triton":  # the fast kernel over a packed copy per request slot
+        kw["sfi_fast_path"] = "triton"
     elif name == "sfi-fipath":  # fast steps through FlashInfer (no packed copy either)
         kw["sfi_fast_path"] = "flashinfer"
     elif name in ("sfi-fi", "sfi-below"):  # prefill, dense layers and SFI-off rows on FlashInfer

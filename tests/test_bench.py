@@ -445,6 +445,8 @@ def test_speed_launches_share_fixed_batch_configs():
     assert S.engine_kwargs(args, "dense-flashinfer-fp8", "m", 32768, 8, caps)["kv_cache_dtype"] == "fp8_e4m3"
     assert S.engine_kwargs(args, "sfi-pool-autorows", "m", 32768, 8, caps) == {
         **S.engine_kwargs(args, "sfi-pool", "m", 32768, 8, caps), "sfi_memory_rows": "auto"}
+    assert S.engine_kwargs(args, "sfi-triton", "m", 32768, 8, caps) == {
+        **S.engine_kwargs(args, "sfi", "m", 32768, 8, caps), "sfi_fast_path": "triton"}
 
 
 def test_paired_quality_kl_by_steps_since_a_refresh(capsys):
