@@ -344,6 +344,8 @@ class Setup:
         if all_slow:  # every row may be slow at once (cfg.max_slow_rows 0): the requests run
             # in lockstep, and the slow parts time the whole batch slow
             cfg = cfg.replace(max_slow_rows=0)
+        if cfg.memory_rows == "auto":  # the harness's requests are its slots, each with a memory
+            cfg = cfg.replace(memory_rows=0)
         self.model, self.n, self.B, self.steps = model, n, batch, steps
         cap = n + steps + 8
         self.cap = cap

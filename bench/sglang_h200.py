@@ -110,6 +110,8 @@ def engine_kwargs(args, engine: str, path: str, ctx: int, batch: int) -> dict:
 
         kw.update(sfi_refresh="interval", sfi_max_interval=args.slow_every,
                   sfi_min_gap=min(args.slow_every, SFIConfig().min_gap))
+        if getattr(args, "memory_rows", None) is not None:
+            kw["sfi_memory_rows"] = args.memory_rows
     else:
         kw.update(disable_sfi=True)
     return kw
@@ -243,6 +245,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=48, help="timed decode steps (M - 1)")
     p.add_argument("--slow-every", type=int, default=24)
     p.add_argument("--mem-fraction", type=float, default=0.8)
+    p.add_argument("--memory-rows", default=None, type=lambda v: v if v == "auto" else int(v),
+                   help="the sfi engine's --sfi-memory-rows (default: SFI's)")
     p.add_argument("--profile", default="", metavar="CONTEXTxBATCH",
                    help="profile decode steps at this configuration (one of --configs)")
     p.add_argument("--profile-engines", default="sfi", help="comma-separated engines to profile")

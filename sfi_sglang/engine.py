@@ -116,11 +116,11 @@ def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict
         if ref_only and not out.get("disable_cuda_graph"):
             raise ValueError(f"{ref_only}: runs only in the torch reference (eager decode steps); "
                              "add --disable-cuda-graph, or leave it at its default")
-        cfg.check_rows(has_gpu())
+        cfg = cfg.on_device(has_gpu())  # --sfi-memory-rows auto: 0 on the packed triton path
         if cfg.dense_backend != "auto" and not has_gpu():
             raise ValueError(f"--sfi-dense-backend {cfg.dense_backend} needs a CUDA GPU; the CPU engine "
                              "runs torch_native (leave it at auto)")
-        # Without --sfi-memory-rows each request slot holds SFI's sparse memory (for Qwen3-4B
+        # With --sfi-memory-rows 0 each request slot holds SFI's sparse memory (for Qwen3-4B
         # at the default budget ~2.4 MB of selected positions, ~0.3 GB on the packed `triton`
         # fast path: SparseMemory.footprint); SGLang's default is 2048+ slots. With memory
         # rows a slot costs a few bytes and SGLang's default holds.

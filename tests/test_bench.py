@@ -201,10 +201,11 @@ def test_real_smollm2_fits_budget_sfi_equals_dense(model_path, tokenizer):
 def test_real_sglang_throughput_driver(tmp_path):
     """bench/sglang_h200.py (the driver of the real-SGLang H200 runs, bench/NOTES.md
     section 6) on SGLang's CPU engine: a dummy-weight Qwen3 config, token-id prompts, the
-    `sfi` backend with a forced slow step every 4 tokens, counted in meta_info."""
+    `sfi` backend with a forced slow step every 4 tokens, counted in meta_info (a memory
+    per request slot: contexts of 256 are within S + W + K and take no memory row)."""
     steps, every = 8, 4
     r = subprocess.run([sys.executable, "bench/sglang_h200.py", "--engines", "sfi", "--shape", "tiny",
-                        "--configs", "256x2", "--steps", str(steps), "--slow-every", str(every),
+                        "--configs", "256x2", "--steps", str(steps), "--slow-every", str(every), "--memory-rows", "0",
                         "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=900, cwd=str(_REPO))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

@@ -69,7 +69,7 @@ def test_help_and_bad_usage():
     assert subprocess.run([sfi_cli(), "--help"], capture_output=True).returncode == 0
     out = subprocess.run([sfi_cli(), "generate", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--sfi-budget" in out.stdout
-    assert "--sfi-memory-rows SFI_MEMORY_ROWS\n" in out.stdout and "default: 0 (a number, or auto)" in out.stdout
+    assert "--sfi-memory-rows SFI_MEMORY_ROWS\n" in out.stdout and "default: auto (a number, or auto)" in out.stdout
     out = subprocess.run([sfi_cli(), "frobnicate"], capture_output=True, text=True)
     assert out.returncode == 2
     out = subprocess.run([sfi_cli(), "generate", "--prompt", "x", "--sfi-min-gap", "50",

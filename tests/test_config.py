@@ -225,8 +225,8 @@ def test_fp4_kv_cache_is_refused_before_launch():
 
 def test_memory_rows_auto_follows_the_pool():
     """--sfi-memory-rows auto (the CLI reads it as such, a number as a number): a row for
-    every request a pool holds past S + W + K, at most one per request slot; refused on
-    CUDA's packed `triton` path, whose rows also hold K/V, naming what to do."""
+    every request a pool holds past S + W + K, at most one per request slot; the default;
+    a row per request slot on CUDA's packed `triton` path, whose rows also hold K/V."""
     import argparse
 
     from sfi_sglang.method.config import add_cli_args, config_from_args
@@ -238,9 +238,12 @@ def test_memory_rows_auto_follows_the_pool():
     auto = SFIConfig(memory_rows="auto", sinks=4, window=64, budget=256)  # S + W + K = 324
     assert [auto.rows_for(pool, 2049) for pool in (0, 323, 324, 24368)] == [1, 1, 2, 76]
     assert auto.rows_for(10**9, 65) == 65
-    assert SFIConfig(memory_rows=5).rows_for(10**9, 65) == 5 and SFIConfig().rows_for(10**9, 65) == 0
+    assert SFIConfig(memory_rows=5).rows_for(10**9, 65) == 5 and SFIConfig(memory_rows=0).rows_for(10**9, 65) == 0
+    assert SFIConfig().memory_rows == "auto"
     assert SFIConfig(memory_rows=500).rows_for(0, 65) == 65  # never more rows than slots
-    auto.check_rows(cuda=True)  # the default fast path reads in place
-    auto.replace(fast_path="triton").check_rows(cuda=False)
-    with pytest.raises(SFIConfigError, match="auto needs a fast path that copies no K/V: use --sfi-fast-path triton-pool .the default."):
-        auto.replace(fast_path="triton").check_rows(cuda=True)
+    # on_device: auto holds where the fast path copies no K/V; on CUDA's packed triton
+    # path (a row holds K/V there) it is a row per request slot
+    assert auto.on_device(cuda=True) is auto
+    assert auto.replace(fast_path="triton").on_device(cuda=False).memory_rows == "auto"
+    assert auto.replace(fast_path="triton").on_device(cuda=True).memory_rows == 0
+    assert SFIConfig(memory_rows=3, fast_path="triton").on_device(cuda=True).memory_rows == 3

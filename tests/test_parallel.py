@@ -26,7 +26,8 @@ from conftest import chat_prompt, start_servers
 # --max-total-tokens bounds each rank's KV pool; the CPU engine sizes it from the host's free
 # memory before and after its weights load, which the other rank (or server) starting at the
 # same time also takes: a lenient --mem-fraction-static keeps that profile from failing
-COMMON = ("--sfi-budget", "128", "--sfi-window", "64", "--sfi-sinks", "4",
+# a memory per request slot (--sfi-memory-rows 0): the short prompts below run SFI, not dense
+COMMON = ("--sfi-budget", "128", "--sfi-window", "64", "--sfi-sinks", "4", "--sfi-memory-rows", "0",
           "--max-total-tokens", "16384", "--mem-fraction-static", "0.6")
 # slow steps at short outputs: a request's own trigger options (device-path options)
 OFTEN = {"custom_params": {"sfi": {"min_gap": 2, "cooldown": 1, "max_interval": 4}}}

@@ -28,7 +28,8 @@ POOL_TOKENS = 6144
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server("--sfi-budget", "256", "--sfi-window", str(W), "--sfi-sinks", "4",
+    # a memory per request slot (--sfi-memory-rows 0): a short first turn holds a memory too
+    srv = Server("--sfi-budget", "256", "--sfi-window", str(W), "--sfi-sinks", "4", "--sfi-memory-rows", "0",
                  "--max-total-tokens", str(POOL_TOKENS), "--enable-metrics")
     yield srv
     srv.stop()

@@ -75,7 +75,8 @@ class SFIAttnBackend(AttentionBackend):
         for name, value in vars(AttentionBackend).items():
             if not name.startswith("_") and isinstance(value, (bool, int, type(None))):
                 setattr(self, name, getattr(dense_backend, name, value))
-        self.cfg = cfg = server_config()
+        # --sfi-memory-rows auto as this device runs it (hooks._reserve_sfi_memory agrees)
+        self.cfg = cfg = server_config().on_device(model_runner.req_to_token_pool.req_to_token.is_cuda)
         self.device = model_runner.device
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
@@ -85,7 +86,6 @@ class SFIAttnBackend(AttentionBackend):
         args = getattr(model_runner, "server_args", None)
         tp = getattr(args, "tp_size", 1) or 1
         cfg.check_server(tp, getattr(args, "kv_cache_dtype", "auto"))
-        cfg.check_rows(r2t.is_cuda)
         self.num_q_heads = max(1, mc.num_attention_heads // tp)
         max_slots = r2t.shape[0]
         k0 = self.token_to_kv_pool.get_key_buffer(0)

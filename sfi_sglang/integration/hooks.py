@@ -161,12 +161,12 @@ def _reserve_sfi_memory(original, self, *args, **kwargs):
     from sfi_sglang.method.memory import kv_budget
     from sfi_sglang.method.step import ScoreBuffers, score_rows
 
-    cfg = server_config()
+    packed = str(self.device).startswith("cuda")
+    cfg = server_config().on_device(packed)
     mc = self.model_config
     # without --max-running-requests SGLang makes 2048-4096 request slots
     # (KVCacheConfigurator.resolve_max_num_reqs); sfi_sglang's launchers always set it
     slots = sa.max_running_requests or 4096
-    packed = str(self.device).startswith("cuda")
     num_layers = mc.num_hidden_layers
     scores = 0
     if packed:  # the backend's ScoreBuffers: a step's score rows, req_to_token's width

@@ -147,9 +147,10 @@ class SFIConfig:
     # context anyway) and gives it back when SGLang frees its slot; one that finds none free
     # runs dense until one is. 0 = a row for every request slot, and sfi_sglang's launchers
     # then default --max-running-requests to 64; with rows, SGLang's own default holds.
-    # "auto": a row for every request the KV pool can hold past that length (rows_for), so
-    # none waits; for the paths that copy no K/V (check_rows)
-    memory_rows: int | str = 0  # str: "auto" only
+    # "auto" (the default): a row for every request the KV pool can hold past that length
+    # (rows_for), so none waits; 0 on CUDA's packed "triton" path, where a row also holds
+    # K/V (on_device)
+    memory_rows: int | str = "auto"  # str: "auto" only
 
     def __post_init__(self):
         # Normalise convenient input forms (CLI strings, JSON lists, ints for floats).
@@ -254,14 +255,15 @@ class SFIConfig:
             raise SFIConfigError(f"--kv-cache-dtype {kv_cache_dtype} is not supported with SFI yet: "
                                  "use auto or fp8_e4m3, or serve dense with --disable-sfi")
 
-    def check_rows(self, cuda: bool) -> None:
-        """--sfi-memory-rows auto sizes the rows by the KV pool; on CUDA's `triton` fast
-        path a row also holds the packed K/V (~0.3 GB for Qwen3-4B at the default
-        budget, about what the tokens it stands for take in the pool), which would halve it."""
+    def on_device(self, cuda: bool) -> "SFIConfig":
+        """The options as a server on this device runs them: --sfi-memory-rows auto sizes
+        the rows by the KV pool, except on CUDA's packed `triton` fast path, where a row
+        also holds K/V (~0.3 GB for Qwen3-4B at the default budget, about what the tokens
+        it stands for take in the pool, which would halve it): there auto is 0, a row per
+        request slot. Every launcher and scheduler resolves it here, so all agree."""
         if self.memory_rows == "auto" and cuda and self.fast_path == "triton":
-            raise SFIConfigError(f"{cli_name('memory_rows')} auto needs a fast path that copies no K/V: "
-                                 f"use {cli_name('fast_path')} triton-pool (the default) or flashinfer, "
-                                 "or give a number of rows")
+            return self.replace(memory_rows=0)
+        return self
 
     def rows_for(self, pool_tokens: int, slots: int) -> int:
         """The memory rows a server makes (0: one per request slot): --sfi-memory-rows, or
