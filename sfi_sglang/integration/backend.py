@@ -75,12 +75,13 @@ class SFIAttnBackend(AttentionBackend):
         for name, value in vars(AttentionBackend).items():
             if not name.startswith("_") and isinstance(value, (bool, int, type(None))):
                 setattr(self, name, getattr(dense_backend, name, value))
-        # --sfi-memory-rows auto as this device runs it (hooks._reserve_sfi_memory agrees)
-        self.cfg = cfg = server_config().on_device(model_runner.req_to_token_pool.req_to_token.is_cuda)
+        self.cfg = cfg = server_config()
         self.device = model_runner.device
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         r2t = self.req_to_token_pool.req_to_token
+        # --sfi-memory-rows auto as this device runs it (hooks._reserve_sfi_memory agrees)
+        self.cfg = cfg = cfg.on_device(r2t.is_cuda)
         mc = model_runner.model_config
         self.num_layers = mc.num_hidden_layers
         args = getattr(model_runner, "server_args", None)

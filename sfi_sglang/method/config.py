@@ -119,8 +119,8 @@ class SFIConfig:
     # no packed copy per request slot) or "flashinfer" (FlashInfer's paged decode over the
     # same positions in place, page size 1, KV heads folded into the batch, in the decode
     # graphs; needs flashinfer). Default by measurement (bench/NOTES.md sections 14, 32, 41
-    # and 47): "triton-pool" gives the packed path's tokens, a KV pool within 1% of dense's
-    # instead of 85-97% (more sequences at the largest batch), for batch-1 steps 2-6%
+    # and 47): "triton-pool" gives the packed path's tokens, a KV pool of 98.5-99.3% of
+    # dense's instead of 85-97% (more sequences at the largest batch), for batch-1 steps 2-6%
     # slower at 16K-32K.
     # The CPU always runs the torch reference.
     fast_path: str = "triton-pool"
