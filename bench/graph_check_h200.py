@@ -186,6 +186,17 @@ def main(argv=None) -> int:
         eager = bench.Runner(st, False)
         forced_eager, _, _ = eager.run_sfi(first, args.steps, forced=graph_ids, gaps=True)
         g = eager.gaps[(forced_eager != graph_ids).cpu()]
+        # the control: triton against itself in another summation order (one split per row
+        # and head instead of its several, the same arithmetic otherwise), fed its own free
+        # run's tokens: the share of picks that order alone turns on these weights
+        from sfi_sglang.kernels import fast_decode
+        keep = fast_decode.MAX_SPLITS_DEFAULT
+        fast_decode.MAX_SPLITS_DEFAULT = 1
+        try:
+            one_split, _, _ = bench.Runner(st, True).run_sfi(first, args.steps, forced=ids)
+        finally:
+            fast_decode.MAX_SPLITS_DEFAULT = keep
+        res.update(order_control_forced_agreement=round(float((one_split == ids).float().mean()), 4))
         res.update(triton_tokens_equal=bool(torch.equal(ids, graph_ids)),
                    triton_agreement=round(float(agree.mean()), 4),
                    triton_first_diff=diff[0].tolist() if diff.numel() else None,
