@@ -14,6 +14,11 @@ Two cases:
   the names only have to exist: `fill_module_torch` gives every name a stub that raises
   when called, naming the op, plus pure-torch versions of the few ops that SGLang calls
   directly on the Llama/Qwen3 decode path (`TORCH_OPS`). Dense and SFI runs share them all.
+  Without that switch SGLang dispatches its fused ops as it does on any CUDA machine: SiLU-
+  and-mul and rotary to its own JIT CUDA kernels (sglang.kernels.ops), RMSNorm to
+  `sgl_kernel.rmsnorm` / `fused_add_rmsnorm`, which here run SGLang's JIT kernels for the same
+  ops where they build (`_jit`), the torch forms otherwise: the decode step's non-attention
+  part then runs fused kernels, as with sglang-kernel (bench/sglang_h200.sh SFI_FUSED_OPS=cuda).
 """
 
 from __future__ import annotations
@@ -104,9 +109,55 @@ def fill_module(module: types.ModuleType, reason: str) -> None:
 
 
 # ---------------------------------------------------------------- CUDA without sgl_kernel
-def rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
+_JIT: dict = {}  # (op, hidden size, dtype) -> SGLang's JIT kernel, or None (the torch form)
+
+
+def _jit(op: str, x: torch.Tensor):
+    """SGLang's own JIT CUDA kernel for `op` of sglang.kernels.ops.layernorm.norm at x's
+    hidden size and dtype, built (and checked against the torch form on one row) at its first
+    use, which SGLang makes before any graph capture; None off CUDA or where it does not
+    build or agree: the torch form then runs."""
+    if not x.is_cuda:
+        return None
+    key = (op, x.shape[-1], x.dtype)
+    if key not in _JIT:
+        _JIT[key] = None
+        try:
+            from sglang.kernels.ops.layernorm import norm
+
+            fn = getattr(norm, op)
+            t = torch.randn(2, x.shape[-1], device=x.device, dtype=x.dtype)
+            w = torch.randn(x.shape[-1], device=x.device, dtype=x.dtype)
+            if op == "rmsnorm":
+                got = torch.empty_like(t)
+                fn(t, w, got, 1e-6)
+            else:
+                res = t.flip(0).clone()
+                got = t.clone()
+                fn(got, res, w, 1e-6)
+            want = _torch_rmsnorm(t + t.flip(0) if op != "rmsnorm" else t, w, 1e-6)
+            if torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+                _JIT[key] = fn
+        except Exception as e:  # no JIT toolchain, an unsupported size: the torch form
+            import logging
+
+            logging.getLogger(__name__).warning("sgl_kernel stand-in: SGLang's JIT %s at %s: %s; "
+                                                "the torch form runs", op, key[1:], e)
+    return _JIT[key]
+
+
+def _torch_rmsnorm(input, weight, eps):
     x = input.float()
-    y = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(input.dtype)
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(input.dtype)
+
+
+def rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
+    jit = _jit("rmsnorm", input)
+    if jit is not None:
+        out = out if out is not None else torch.empty_like(input)
+        jit(input, weight, out, eps)
+        return out
+    y = _torch_rmsnorm(input, weight, eps)
     if out is None:
         return y
     out.copy_(y)
@@ -115,6 +166,10 @@ def rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
 
 def fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
     """In place, like sgl_kernel: residual += input; input = rmsnorm(residual)."""
+    jit = _jit("fused_add_rmsnorm", input)
+    if jit is not None:
+        jit(input, residual, weight, eps)
+        return
     residual.add_(input)
     input.copy_(rmsnorm(residual, weight, eps))
 
