@@ -189,7 +189,7 @@ def main(argv=None) -> int:
         # the control: triton against itself in another summation order (one split per row
         # and head instead of its several, the same arithmetic otherwise), fed its own free
         # run's tokens: the share of picks that order alone turns on these weights
-        from sfi_sglang.kernels import fast_decode
+        fast_decode = sys.modules["sfi_sglang.kernels.fast_decode"]  # the module (the package exports its function)
         keep = fast_decode.MAX_SPLITS_DEFAULT
         fast_decode.MAX_SPLITS_DEFAULT = 1
         try:
