@@ -9,7 +9,9 @@ split sweep (us per layer of SGLang's triton decode against the cap
 --merge: one table from several device calls. Each row is copied whole from one call (a later
 RUN.json wins a (context, batch) it shares with an earlier one) and names it in `source`, so
 that every ratio in a row was measured in one run; `sweep` is the union, each entry with its
-`source`.
+`source`. The runs must share `fused_ops` (how SGLang's fused ops ran: their torch forms, or
+its JIT CUDA kernels; a run before the key was recorded ran "torch"): the non-attention part
+of a step differs by ~3 ms between the two, so their rows do not go in one table.
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ NAMES = {"dense": "dense, SGLang defaults (8 splits)", "dense-best": "dense, bes
 
 
 def merge(out: str, runs: list[str]) -> str:
-    rows, sweep = {}, []
+    rows, sweep, modes = {}, [], {}
     for path in runs:
         res = json.load(open(path))
         src = os.path.basename(path)
+        modes[src] = res.get("fused_ops", "torch")
+        if len(set(modes.values())) > 1:
+            raise SystemExit(f"--merge: runs with different fused_ops ({modes}); merge each kind on its own")
         for r in res["rows"]:
             ms = r["step_ms"]
             sfi = {k: v for k, v in ms.items() if k.startswith("sfi")}
@@ -51,7 +56,7 @@ def merge(out: str, runs: list[str]) -> str:
     order = sorted(rows, key=lambda k: (k[0], k[1] == "max", int(k[1]) if k[1] != "max" else 0))
     with open(out, "w") as f:
         json.dump(dict(merged_from=[os.path.basename(p) for p in runs], shape=res["shape"], device=res.get("device"),
-                       slow_every=res["slow_every"], steps=res["steps"], rows=[rows[k] for k in order],
+                       fused_ops=modes[src], slow_every=res["slow_every"], steps=res["steps"], rows=[rows[k] for k in order],
                        sweep=sweep), f, indent=1)
     return main(out)
 
@@ -72,11 +77,13 @@ def main(path: str = "bench/results/speed_h200.json") -> str:
     ax.bar(xs, [r["ideal"]["sfi_ms"] for r in rows if "ideal" in r], width, color="none",
            edgecolor="k", hatch="//", label="SFI's ideal (HBM floor)")
     ax.set_xticks([j + width * len(engines) / 2 for j in range(len(rows))])
-    ax.set_xticklabels([f"{r['context'] // 1024}K x {r['batch']}\n{r.get('speedup') or max(r['speedups'].values())}x vs best dense"
+    ax.set_xticklabels([f"{r['context'] // 1024}K x {r['batch']}\n{r.get('speedup') or max(r['speedups'].values())}x"
                         for r in rows], fontsize=8)
+    ax.set_xlabel("context x batch, SFI's speed-up over the row's best dense server")
     ax.set_ylabel("ms per decode step")
     card = str(res.get("device") or "H200").replace("NVIDIA ", "")
-    ax.set_title(f"Real SGLang 0.5.23, Qwen3-4B shape, {card} (each row from one run)")
+    ops = {"torch": "fused ops in torch", "cuda": "fused ops as JIT kernels"}[res.get("fused_ops", "torch")]
+    ax.set_title(f"SGLang 0.5.23, Qwen3-4B shape, {card}, {ops}; a row = one run", fontsize=10)
     ax.legend(fontsize=7)
     for i, e in enumerate(engines):
         xs = [j + i * width for j, r in enumerate(top) if e in r.get("tokens_per_s", {})]

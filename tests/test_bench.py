@@ -384,7 +384,13 @@ def test_speed_merge_copies_each_row_whole_from_one_run(tmp_path):
     assert [(r["context"], r["batch"], r["source"]) for r in rows] == [
         (32768, 1, "new.json"), (32768, "max", "new.json"), (131072, 1, "old.json")]
     assert rows[0]["step_ms"]["sfi"] == 7.4 and rows[2]["speedup"] == 7.5
+    assert json.loads(out.read_text())["fused_ops"] == "torch"  # runs that name none ran torch's
     assert (tmp_path / "merged.png").stat().st_size > 0
+    # a run with SGLang's JIT fused ops has a ~3 ms shorter step: not one table with the others
+    jit = json.loads(pathlib.Path(new).read_text())
+    (tmp_path / "jit.json").write_text(json.dumps(dict(jit, fused_ops="cuda")))
+    with pytest.raises(SystemExit, match="different fused_ops"):
+        plot_speed_h200.merge(str(out), [old, str(tmp_path / "jit.json")])
 
 
 def test_request_plot_marks_the_slow_steps(tmp_path):
