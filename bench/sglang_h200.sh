@@ -165,10 +165,11 @@ EOF
 # subpackages sfi_sglang.kernels and sfi_sglang.router; its `sglang.srt.plugins` entry point
 # (a dist-info), and the sgl_kernel start-up hook in every process (the wheel's .pth works
 # only in site-packages; a sitecustomize on PYTHONPATH does the same). Then SGLang's CUDA
-# modules get sgl_kernel's torch stand-in (sfi_sglang/integration/sgl_kernel_standin.py) and
-# its fused ops (RMSNorm, SiLU-and-mul, rotary) their forward_native, or with
-# SFI_FUSED_OPS=cuda SGLang's own dispatch: its JIT CUDA kernels for them, built on the
-# device at first use (the realistic non-attention step; bench/NOTES.md).
+# modules get sgl_kernel's torch stand-in (sfi_sglang/integration/sgl_kernel_standin.py), and
+# its fused ops (RMSNorm, SiLU-and-mul, rotary) SGLang's own dispatch: its JIT CUDA kernels
+# for them, built on the device at first use, as with sglang-kernel (a realistic
+# non-attention step; bench/NOTES.md section 48). SFI_FUSED_OPS=torch forces their torch
+# forms instead (forward_native), as every run before that section: ~3 ms more per step.
 setup_sfi() {
   source "$(dirname "${BASH_SOURCE[0]}")/layout.sh"
   # .sgl/tok travels as .sgl/tok.tar.xz (0.45 MB against 3.5: the carry limit is 64 MiB in all)
@@ -179,9 +180,9 @@ setup_sfi() {
   printf 'Metadata-Version: 2.1\nName: sfi-sglang\nVersion: 0.1.0\n' > $d/METADATA
   printf '[sglang.srt.plugins]\nsfi = sfi_sglang.plugin:register\n' > $d/entry_points.txt
   echo 'import sfi_sglang._startup' > /root/site/sitecustomize.py
-  export SFI_SGLANG_TORCH_KERNELS=1 SGLANG_FORCE_FUSED_OP_BACKEND=torch \
+  export SFI_SGLANG_TORCH_KERNELS=1 \
     SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 PYTHONUNBUFFERED=1 SFI_TOKENIZER_DIR=$PWD/.sgl/tok
-  if [ "${SFI_FUSED_OPS:-torch}" = cuda ]; then unset SGLANG_FORCE_FUSED_OP_BACKEND; fi
+  if [ "${SFI_FUSED_OPS:-cuda}" = torch ]; then export SGLANG_FORCE_FUSED_OP_BACKEND=torch; fi
   # the radix tree's Rust core (sglang/srt/mem_cache/rust_tree_core) is built against
   # torch 2.14's libtorch and segfaults on the device's 2.11 (run 3): SGLang's Python core
   export SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python

@@ -431,8 +431,8 @@ def main(argv=None) -> int:
     engines = args.engines.split(",")
     configs = [(int(n), 0 if b == "max" else int(b)) for n, _, b in (c.partition("x") for c in args.configs.split(","))]
     card = set_device_hbm()
-    # torch: SGLang's fused ops (RMSNorm, SiLU-and-mul, rotary) in their torch forms; cuda:
-    # its JIT CUDA kernels (bench/sglang_h200.sh SFI_FUSED_OPS)
+    # cuda: SGLang's fused ops (RMSNorm, SiLU-and-mul, rotary) as its JIT CUDA kernels; torch:
+    # in their torch forms (bench/sglang_h200.sh SFI_FUSED_OPS)
     fused_ops = "torch" if os.environ.get("SGLANG_FORCE_FUSED_OP_BACKEND") == "torch" else "cuda"
     result = dict(shape=args.shape, argv=sys.argv[1:], engines=engines, slow_every=args.slow_every,
                   steps=args.steps, device=card, hbm_bytes_per_s=HBM, fused_ops=fused_ops,
