@@ -18,7 +18,7 @@ Two cases:
   and-mul and rotary to its own JIT CUDA kernels (sglang.kernels.ops), RMSNorm to
   `sgl_kernel.rmsnorm` / `fused_add_rmsnorm`, which here run SGLang's JIT kernels for the same
   ops where they build (`_jit`), the torch forms otherwise: the decode step's non-attention
-  part then runs fused kernels, as with sglang-kernel (bench/sglang_h200.sh SFI_FUSED_OPS=cuda).
+  part then runs fused kernels, as with sglang-kernel (bench/sglang_h200.sh's default).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ _JIT: dict = {}  # (op, hidden size, dtype) -> SGLang's JIT kernel, or None (the
 
 def _jit(op: str, x: torch.Tensor):
     """SGLang's own JIT CUDA kernel for `op` of sglang.kernels.ops.layernorm.norm at x's
-    hidden size and dtype, built (and checked against the torch form on one row) at its first
+    hidden size and dtype, built (and checked against the torch form on two rows) at its first
     use, which SGLang makes before any graph capture; None off CUDA or where it does not
     build or agree: the torch form then runs."""
     if not x.is_cuda:
