@@ -1,7 +1,8 @@
 """On the GPU, under sgl_kernel's torch stand-in: SGLang's fused ops of a Qwen3-4B decode
 step in their torch forms against SGLang's JIT CUDA kernels for them (what
-bench/sglang_h200.sh SFI_FUSED_OPS=cuda runs), each against a float64 reference on random
-inputs, and timed (CUDA-graph replays of 50 calls, median of 7) at batch 1 and 8.
+bench/sglang_h200.sh runs by default), each against a float64 reference on random
+inputs, and timed (kernels_h200.bench_graph: a CUDA graph of many calls, the median
+replay) at batch 1 and 8.
 Writes OUT/fused_ops_h200.json.
     source bench/sglang_h200.sh; device_env ops; python3 bench/fused_ops_h200.py --out $OUT
 """
@@ -11,32 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
-
-
-def replay_us(fn, calls: int = 50, reps: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
+from kernels_h200 import bench_graph  # bench/, this script's folder
 
 
 def main() -> int:
@@ -70,7 +48,7 @@ def main() -> int:
             sgl_kernel.rmsnorm(x, w, eps, out)
 
         def torch_norm():
-            out.copy_(standin._torch_rmsnorm(x, w, eps))
+            out.copy_(standin.torch_rmsnorm(x, w, eps))
 
         def jit_add():
             xs.copy_(x)
@@ -81,7 +59,7 @@ def main() -> int:
             xs.copy_(x)
             rs.copy_(r)
             rs.add_(xs)
-            xs.copy_(standin._torch_rmsnorm(rs, w, eps))
+            xs.copy_(standin.torch_rmsnorm(rs, w, eps))
 
         so = torch.empty(b, inter, device=dev, dtype=dt)
         ops = {
@@ -96,9 +74,9 @@ def main() -> int:
                 fn()
                 torch.cuda.synchronize()
                 row[f"{kind}_max_err"] = float((got().double() - want()).abs().max())
-                row[f"{kind}_us"] = round(replay_us(fn), 2)
+                row[f"{kind}_us"] = round(bench_graph([fn], 0.005)[0] * 1e3, 2)
             # after the first call, which builds the stand-in's kernel (SiLU-and-mul: SGLang's own)
-            row["jit_loaded"] = bool(standin._JIT.get((name, hidden, dt))) if name != "silu_and_mul" else True
+            row["jit_loaded"] = bool(standin.JIT_KERNELS.get((name, hidden, dt))) if name != "silu_and_mul" else True
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
     os.makedirs(args.out, exist_ok=True)

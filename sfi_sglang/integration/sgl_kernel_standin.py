@@ -109,7 +109,8 @@ def fill_module(module: types.ModuleType, reason: str) -> None:
 
 
 # ---------------------------------------------------------------- CUDA without sgl_kernel
-_JIT: dict = {}  # (op, hidden size, dtype) -> SGLang's JIT kernel, or None (the torch form)
+# (op, hidden size, dtype) -> the SGLang JIT kernel the stand-in built and runs, or None (the torch form)
+JIT_KERNELS: dict = {}
 
 
 def _jit(op: str, x: torch.Tensor):
@@ -120,8 +121,8 @@ def _jit(op: str, x: torch.Tensor):
     if not x.is_cuda:
         return None
     key = (op, x.shape[-1], x.dtype)
-    if key not in _JIT:
-        _JIT[key] = None
+    if key not in JIT_KERNELS:
+        JIT_KERNELS[key] = None
         try:
             from sglang.kernels.ops.layernorm import norm
 
@@ -135,18 +136,18 @@ def _jit(op: str, x: torch.Tensor):
                 res = t.flip(0).clone()
                 got = t.clone()
                 fn(got, res, w, 1e-6)
-            want = _torch_rmsnorm(t + t.flip(0) if op != "rmsnorm" else t, w, 1e-6)
+            want = torch_rmsnorm(t + t.flip(0) if op != "rmsnorm" else t, w, 1e-6)
             if torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
-                _JIT[key] = fn
+                JIT_KERNELS[key] = fn
         except Exception as e:  # no JIT toolchain, an unsupported size: the torch form
             import logging
 
             logging.getLogger(__name__).warning("sgl_kernel stand-in: SGLang's JIT %s at %s: %s; "
                                                 "the torch form runs", op, key[1:], e)
-    return _JIT[key]
+    return JIT_KERNELS[key]
 
 
-def _torch_rmsnorm(input, weight, eps):
+def torch_rmsnorm(input, weight, eps):
     x = input.float()
     return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(input.dtype)
 
@@ -157,7 +158,7 @@ def rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
         out = out if out is not None else torch.empty_like(input)
         jit(input, weight, out, eps)
         return out
-    y = _torch_rmsnorm(input, weight, eps)
+    y = torch_rmsnorm(input, weight, eps)
     if out is None:
         return y
     out.copy_(y)
