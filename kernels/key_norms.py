@@ -1,4 +1,4 @@
-"""Cached key norms ||k_j|| (float32) per KV slot and KV head, written when K is written;
+"""Cached key norms ||k_j|| (the pool's dtype: bfloat16) per KV slot and KV head, written when K is written;
 the Selector's structural prior reads them (log pi_j = -g log ||k_j||)."""
 
 import torch
@@ -19,11 +19,11 @@ def _key_norms_kernel(K, Cache_loc, Norms, stride_kt, stride_kh, stride_ns, H,
     k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
                 mask=mh[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
     n = tl.sqrt(tl.sum(k * k, 1))
-    tl.store(Norms + loc * stride_ns + offs_h, n, mask=mh)
+    tl.store(Norms + loc * stride_ns + offs_h, n.to(Norms.dtype.element_ty), mask=mh)
 
 
 def store_key_norms(k, cache_loc, norms_pool):
-    """norms_pool[cache_loc[t], h] = ||k[t, h, :]||_2 (fp32). k [T,H_kv,D]."""
+    """norms_pool[cache_loc[t], h] = ||k[t, h, :]||_2 (computed in fp32, stored in the pool's dtype). k [T,H_kv,D]."""
     T, H, D = k.shape
     if T == 0:
         return norms_pool

@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
 from sfi_sglang.method.config import SFIConfig  # noqa: E402
 from sfi_sglang.kernels import reference as REF  # noqa: E402
 from sfi_sglang.method.memory import SparseMemory  # noqa: E402
+from sfi_sglang.method.selector import KeyNorms  # noqa: E402
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -309,7 +310,7 @@ def test_kv_budget_sets_aside_sparse_memory_and_key_norms():
 
     L, H, D, slots = 4, 2, 16, 3
     per_slot = SparseMemory.footprint(L, H, D, CFG, torch.bfloat16, True, 1)
-    kv_cell, norm_cell = 2 * L * H * D * 2, L * H * 4
+    kv_cell, norm_cell = 2 * L * H * D * 2, L * H * KeyNorms.DTYPE.itemsize
     avail = (slots + 1) * per_slot + 1000 * (kv_cell + norm_cell)
     left = kv_budget(avail, L, H, D, CFG, torch.bfloat16, True, slots)
     assert left == 1000 * kv_cell  # 1000 tokens of K/V, and their key norms beside them
@@ -354,14 +355,14 @@ def test_score_buffers_are_made_once_and_set_aside_from_the_kv_budget(monkeypatc
     assert ScoreBuffers("cpu", False, rows, sparse, hq, width, True).bytes() == 0  # the torch reference
     monkeypatch.undo()
     # Qwen3-4B at a 128K context: 64 slots without a limit on slow rows ~1 GiB (the
-    # batched buffer does not fit 512 MiB); with the default limit of 8, 8 rows whatever
+    # batched buffer does not fit 256 MiB); with the default limit of 8, 8 rows whatever
     # the slots
     big = ScoreBuffers.reserve_bytes(step.score_rows(65, 0), 34, 32, 131072 + 4, True)
     assert big == 65 * 32 * (131072 + 4) * 4
     assert step.score_rows(65, SFIConfig().max_slow_rows) == 8 and step.score_rows(3, 8) == 3
     assert step.score_rows(65, 0, 5) == 5 and step.score_rows(65, 8, 5) == 5 and step.score_rows(3, 0, 5) == 3
     L, H, D, slots = 4, 2, 16, 3
-    kv_cell, norm_cell = 2 * L * H * D * 2, L * H * 4
+    kv_cell, norm_cell = 2 * L * H * D * 2, L * H * KeyNorms.DTYPE.itemsize
     mem = SparseMemory.footprint(L, H, D, CFG, torch.bfloat16, True, slots + 1)
     scores = sb.bytes()
     avail = mem + scores + 1000 * (kv_cell + norm_cell)

@@ -39,6 +39,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from sfi_sglang.method.config import KERNEL_FAST_PATHS, SFIConfigError
 from sfi_sglang.method.rows import MemoryRows
+from sfi_sglang.method.selector import KeyNorms
 
 # A window start past any context: the fast kernel reads no window for such a slot (SGLang's
 # padding slot 0, and the device-path rows of requests with SFI off).
@@ -557,7 +558,7 @@ def kv_budget(available: int, num_layers: int, num_kv_heads: int, head_dim: int,
     (per KV-pool token, next to the pool's K and V). Raises SFIConfigError when nothing would
     be left. Called where SGLang sizes its pools (hooks._reserve_sfi_memory)."""
     kv_cell = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
-    norm_cell = num_layers * num_kv_heads * 4  # the key norms: L x float32 [tokens, H_kv]
+    norm_cell = num_layers * num_kv_heads * KeyNorms.DTYPE.itemsize  # the key norms: L x [tokens, H_kv]
     if rows is not None:  # SFIConfig.rows_for: auto from the pool without them, never past the slots
         rows = cfg.replace(memory_rows=rows).rows_for(max(0, available - scores) // (kv_cell + norm_cell),
                                                       slots + 1)

@@ -350,15 +350,19 @@ def select_key_fused(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Te
 
 # ------------------------------------------------------------------ where selections are made
 class KeyNorms:
-    """||k|| per layer, KV-pool token and KV head (float32), written with K, so a request
+    """||k|| per layer, KV-pool token and KV head (bfloat16: the prior reads 0.5 log ||k||,
+    where bf16's relative error of 2^-9 moves it by 0.001; half of float32's bytes, which
+    SGLang's pool gets back), written with K, so a request
     reusing a cached prefix reuses its norms. One tensor per layer, like SGLang's K and V
     buffers, each 16-byte aligned (Triton specializes on pointer alignment, so every layer
-    runs the same kernel variant); they are views of one tensor whose layers start 4 rows
+    runs the same kernel variant); they are views of one tensor whose layers start 8 rows
     apart, so the batched Selector gathers every layer's norms through one pointer."""
 
+    DTYPE = torch.bfloat16
+
     def __init__(self, num_layers: int, tokens: int, num_kv_heads: int, device):
-        self.rows = -(-tokens // 4) * 4  # a layer's stride in the flat view
-        self.all = torch.zeros(num_layers, self.rows, num_kv_heads, dtype=torch.float32, device=device)
+        self.rows = -(-tokens // 8) * 8  # a layer's stride in the flat view
+        self.all = torch.zeros(num_layers, self.rows, num_kv_heads, dtype=self.DTYPE, device=device)
         self.layers = [n[:tokens] for n in self.all.unbind(0)]
 
     def store(self, k: torch.Tensor, layer, out_cache_loc: torch.Tensor) -> None:

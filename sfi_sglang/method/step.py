@@ -229,7 +229,7 @@ class StepMetadata:
 # A slow step keeps every sparse layer's scores until the step's end and runs the Selector
 # once for all layers (rows = layers x requests: ~15 launches instead of ~15 per layer)
 # while the scores of a step fit in this many bytes; larger steps select layer by layer.
-SELECT_BATCH_BYTES = 512 << 20
+SELECT_BATCH_BYTES = 256 << 20
 
 
 class ScoreBuffers:
