@@ -10,11 +10,12 @@
 #             run(carry=[".q0"], command="bash bench/qwen_h200.sh receive")   ... up to .q8
 #           then the table, carrying .sgl (transformers and gguf for the conversion, the essays):
 #             run(carry=[".sgl"], command="CONTEXTS=32640 bash bench/qwen_h200.sh table")
+#           -> $OUT/quality_qwen_table.tgz (a call brings back only a few files)
 #           `table` joins the pieces in order, checks the whole against each package part's
 #           sha256 (sfi_sglang.model.check_joined), converts it once into /root/sfi-cache
 #           (what --model-path qwen2.5-coder-0.5b resolves to there), then runs
 #           bench/quality_qwen.sh's three runs (code, prose, passkey and retrieval; its
-#           METHODS, EVERY, PK_METHODS, KEYS apply) side by side on the one GPU, each its own
+#           METHODS, EVERY, PK_METHODS, KEYS apply; by default the methods with a GPU path) side by side on the one GPU, each its own
 #           engine, started STAGGER_S (40) apart (SGLang sizes its pool from the memory free at
 #           its start), all ending within EVAL_S (450) of the conversion, writing $OUT/quality_qwen_<context>_<run>.{json,md,log}.
 #           A run cut by EVAL_S leaves its finished texts in <name>.partial.json.
@@ -58,13 +59,17 @@ PY
 print("converted:", model_path("qwen2.5-coder-0.5b", gguf=pathlib.Path("/root/qwen/model.gguf")))' || exit 1
     trap '' QUIT  # SGLang's launcher sends SIGQUIT up its process tree when a child dies
     end=$((SECONDS + ${EVAL_S:-450}))
+    # the methods with a GPU path (the top-up runs only on the CPU engine's torch reference)
+    export METHODS=${METHODS:-sfi,sfi-lines,quest,snapkv,streaming} EVERY=${EVERY-1} \
+      PK_METHODS=${PK_METHODS:-dense,sfi,sfi-lines,quest,snapkv,streaming}
     for r in ${RUNS:-code prose passkey}; do
       RUNS=$r OUTDIR=$OUT PYTHON="timeout --kill-after=5 $((end - SECONDS)) python3 -P" bash bench/quality_qwen.sh &
       sleep "${STAGGER_S:-40}"
     done
     wait
     pkill -9 -f 'sglang::' 2>/dev/null  # an engine whose driver was cut leaves its processes
-    ls -l "$OUT"
+    # a call brings back only a few files: the results as one archive
+    (cd "$OUT" && tar -czf quality_qwen_table.tgz quality_qwen_* && rm -f quality_qwen_*.{json,md,log,png} && ls -l)
     ;;
   *) echo "usage: [CONTEXTS=N RUNS=... EVAL_S=S] bash bench/qwen_h200.sh pieces | receive | table" >&2; exit 2 ;;
 esac
