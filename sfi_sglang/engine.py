@@ -110,9 +110,6 @@ def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict
         os.environ[EAGER_ENV] = "1" if out.get("disable_cuda_graph") else "0"
         os.environ[REFERENCE_ENV] = "0" if has_gpu() else "1"
         ref_only = ", ".join(reference_only(cfg))
-        if ref_only and has_gpu():  # the packed Triton path would not read them
-            raise ValueError(f"{ref_only}: runs only in the torch reference of SGLang's CPU engine, "
-                             "for now; leave it at its default on a GPU")
         if ref_only and not out.get("disable_cuda_graph"):
             raise ValueError(f"{ref_only}: runs only in the torch reference (eager decode steps); "
                              "add --disable-cuda-graph, or leave it at its default")

@@ -142,22 +142,28 @@ def test_graph_servers_take_only_device_path_options(monkeypatch, opts, ok):
             request_config(server, params)
 
 
-def test_reference_only_request_options_need_the_cpu_engine(monkeypatch):
-    """The top-up and whole-page selection per request: taken by the CPU engine's eager
-    server (REFERENCE_ENV "1"), refused with what they need on a GPU server (the packed
-    Triton path would not read the top-up, and skips a selection's empty entries only on a
-    server launched with whole pages); whole pages server-wide on every fast path."""
+def test_reference_only_request_options_need_eager_steps(monkeypatch):
+    """The top-up per request: taken by an eager server, on the CPU engine (REFERENCE_ENV
+    "1") and on a GPU (the host path reads it through the torch reference), refused under
+    CUDA graphs naming --disable-cuda-graph. Whole pages per request: only on the CPU
+    engine (the packed kernel skips a selection's empty entries only on a server launched
+    with whole pages); whole pages server-wide on every fast path."""
     from sfi_sglang.method.config import SFIConfigError
     from sfi_sglang.method.options import EAGER_ENV, REFERENCE_ENV, request_config
 
     monkeypatch.setenv(EAGER_ENV, "1")
-    for opts, why in (({"topup_pages": 2}, "torch reference of SGLang's CPU engine"),
-                      ({"selection_page": 16}, r"differ from the server's --sfi-selection-page \(1\) on a GPU")):
-        monkeypatch.setenv(REFERENCE_ENV, "1")
-        assert request_config(SFIConfig(), {"sfi": opts})[1] != SFIConfig()
-        monkeypatch.setenv(REFERENCE_ENV, "0")
-        with pytest.raises(SFIConfigError, match=why):
-            request_config(SFIConfig(), {"sfi": opts})
+    for ref in ("1", "0"):
+        monkeypatch.setenv(REFERENCE_ENV, ref)
+        assert request_config(SFIConfig(), {"sfi": {"topup_pages": 2}})[1].topup_pages == 2
+    monkeypatch.setenv(EAGER_ENV, "0")
+    with pytest.raises(SFIConfigError, match="topup_pages need a server launched with --disable-cuda-graph"):
+        request_config(SFIConfig(), {"sfi": {"topup_pages": 2}})
+    monkeypatch.setenv(EAGER_ENV, "1")
+    monkeypatch.setenv(REFERENCE_ENV, "1")
+    assert request_config(SFIConfig(), {"sfi": {"selection_page": 16}})[1].selection_page == 16
+    monkeypatch.setenv(REFERENCE_ENV, "0")
+    with pytest.raises(SFIConfigError, match=r"differ from the server's --sfi-selection-page \(1\) on a GPU"):
+        request_config(SFIConfig(), {"sfi": {"selection_page": 16}})
     pages = SFIConfig(selection_page=16)
     assert request_config(pages, {"sfi": {"budget": 512}})[1].selection_page == 16  # the server's
     assert SFIConfig(selection_page=16, fast_path="flashinfer").selection_page == 16

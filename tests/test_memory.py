@@ -247,14 +247,17 @@ def test_topup_every_n_layers_reuses_the_groups_pages():
     assert host.topup(2, slot, 6, qs[2], st["k"], tokens, cfg) is not got[1]  # a new step
 
 
-def test_reference_fast_step_with_extra_positions():
+@pytest.mark.parametrize("fast_path", ["reference", "triton", "triton-pool"])
+def test_reference_fast_step_with_extra_positions(fast_path):
     """attend_fast(extra=...) == float64 attention over the memory's positions and the extra
-    ones (deduplicated; -1 and positions past a row's context read nothing)."""
+    ones (deduplicated; -1 and positions past a row's context read nothing), on every fast
+    path's memory (the top-up of a GPU server's eager host path reads the torch reference)."""
     Hkv, G, D = 2, 2, 16
-    cfg = SFIConfig(sinks=4, window=8, budget=12, dense_layers=())
+    packed = fast_path != "reference"
+    cfg = SFIConfig(sinks=4, window=8, budget=12, dense_layers=(), fast_path="triton" if not packed else fast_path)
     n_sel, t = [80, 60], [83, 61]
     st, gen = make_pool(t, Hkv, G, D, seed=5)
-    mem = SparseMemory(2, [0, 1], 8, Hkv, D, cfg, DEV, torch.float32, packed=False)
+    mem = SparseMemory(2, [0, 1], 8, Hkv, D, cfg, DEV, torch.float32, packed=packed)
     pos, cnt, ws = selection(cfg, n_sel, Hkv, gen, k=10)
     mem.store(1, st["rpi"], pos[..., :10], cnt, ws, st["k"], st["v"], st["rtt"])
     extra = torch.full((2, Hkv, 6), -1, dtype=torch.int64)

@@ -330,10 +330,13 @@ class SparseMemory:
         window starts of these rows, when the caller has them (step_window_start).
         lse_out [b, H_q] float32: also each head's log-sum-exp over the memory (Triton and
         the torch reference; config.py refuses the adaptive trigger on FlashInfer).
-        extra [b, H_kv, E] (torch reference only): positions read besides the memory (-1:
-        none), the top-up's pages."""
+        extra [b, H_kv, E]: positions read besides the memory (-1: none), the top-up's pages
+        (the host path, eager steps): on every fast path through the torch reference."""
         li = self.layer_index[layer_id]
         rpi = req_pool_indices.to(self.device).long()
+        if extra is not None:
+            return self._attend_fast_ref(li, q, k_cache, v_cache, req_to_token, rpi, seq_lens, sm_scale, out,
+                                         max_len, lse_out, extra)
         if self.fast_path == "flashinfer":
             fl = fast_plan if fast_plan is not None else self.fast_lists(rpi, seq_lens)
             return self._fi.run(q, k_cache, v_cache, req_to_token, rpi, fl.lengths, fl.start, seq_lens,
@@ -351,6 +354,13 @@ class SparseMemory:
             return self._k.fast_decode(q, k_cache, v_cache, req_to_token, rpi, seq_lens, ws,
                                        *packed, self.packed_len, sm_scale, out=out, lse_out=lse_out,
                                        row_of=self.rows.kernel_arg(), **kernel_kw)
+        return self._attend_fast_ref(li, q, k_cache, v_cache, req_to_token, rpi, seq_lens, sm_scale, out,
+                                     max_len, lse_out, None)
+
+    def _attend_fast_ref(self, li, q, k_cache, v_cache, req_to_token, rpi, seq_lens, sm_scale, out, max_len,
+                         lse_out, extra) -> torch.Tensor:
+        """The torch reference of a fast step: sinks, selection and window as a mask, and
+        the extra positions where given."""
         n = self._ref_len(seq_lens, max_len)
         allowed = self._fast_mask(li, rpi, seq_lens, n)
         if extra is not None:

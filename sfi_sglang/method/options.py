@@ -93,9 +93,6 @@ def request_config(server: SFIConfig, custom_params,
         if overrides.get(name, getattr(server, name)) != getattr(server, name):
             raise SFIConfigError(f'custom_params["sfi"]["{name}"] cannot differ from the server\'s '
                                  f"--sfi-{name.replace('_', '-')}")
-    if reference_only(cfg) and os.environ.get(REFERENCE_ENV) != "1":
-        raise SFIConfigError(f'custom_params["sfi"]: {", ".join(reference_only(cfg))} run only in '
-                             "the torch reference of SGLang's CPU engine, for now")
     if cfg.selection_page != server.selection_page and os.environ.get(REFERENCE_ENV) != "1":
         # the packed fast kernel skips a whole-page selection's empty entries only on a
         # server launched with whole pages (SparseMemory.attend_fast)
@@ -136,7 +133,7 @@ def on_device_path(cfg: SFIConfig, server: SFIConfig) -> bool:
 
 def reference_only(cfg: SFIConfig) -> list[str]:
     """The options of cfg that only the torch reference runs (baselines.HostPath, eager
-    decode steps), as flags: the top-up."""
+    decode steps, on the CPU engine and on a GPU), as flags: the top-up."""
     return [cli_name("topup_pages")] if cfg.topup_pages else []
 
 
