@@ -15,7 +15,7 @@
 #           sha256 (sfi_sglang.model.check_joined), converts it once into /root/sfi-cache
 #           (what --model-path qwen2.5-coder-0.5b resolves to there), then runs
 #           bench/quality_qwen.sh's three runs (code, prose, passkey and retrieval; its
-#           METHODS, EVERY, PK_METHODS, KEYS apply; by default the methods with a GPU path) side by side on the one GPU, each its own
+#           METHODS, EVERY, PK_METHODS, KEYS apply; by default the methods run on a GPU so far) side by side on the one GPU, each its own
 #           engine, started STAGGER_S (40) apart (SGLang sizes its pool from the memory free at
 #           its start), all ending within EVAL_S (450) of the conversion, writing $OUT/quality_qwen_<context>_<run>.{json,md,log}.
 #           A run cut by EVAL_S leaves its finished texts in <name>.partial.json.
@@ -59,7 +59,7 @@ PY
 print("converted:", model_path("qwen2.5-coder-0.5b", gguf=pathlib.Path("/root/qwen/model.gguf")))' || exit 1
     trap '' QUIT  # SGLang's launcher sends SIGQUIT up its process tree when a child dies
     end=$((SECONDS + ${EVAL_S:-450}))
-    # the methods with a GPU path (the top-up runs only on the CPU engine's torch reference)
+    # the methods run on a GPU so far (bench/NOTES.md section 50; section 45 item 12 adds the top-up)
     export METHODS=${METHODS:-sfi,sfi-lines,quest,snapkv,streaming} EVERY=${EVERY-1} \
       PK_METHODS=${PK_METHODS:-dense,sfi,sfi-lines,quest,snapkv,streaming}
     for r in ${RUNS:-code prose passkey}; do

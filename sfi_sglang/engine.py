@@ -105,10 +105,9 @@ def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict
         # SFI keeps SGLang's CUDA graphs and overlap scheduler (its decode step is device
         # work: sfi_sglang.method.step). Without graphs, per-request options that the device step
         # cannot serve are allowed too (sfi_sglang.method.options.on_device_path).
-        from sfi_sglang.method.options import EAGER_ENV, REFERENCE_ENV, reference_only
+        from sfi_sglang.method.options import EAGER_ENV, reference_only
 
         os.environ[EAGER_ENV] = "1" if out.get("disable_cuda_graph") else "0"
-        os.environ[REFERENCE_ENV] = "0" if has_gpu() else "1"
         ref_only = ", ".join(reference_only(cfg))
         if ref_only and not out.get("disable_cuda_graph"):
             raise ValueError(f"{ref_only}: runs only in the torch reference (eager decode steps); "

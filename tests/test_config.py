@@ -142,28 +142,21 @@ def test_graph_servers_take_only_device_path_options(monkeypatch, opts, ok):
             request_config(server, params)
 
 
-def test_reference_only_request_options_need_eager_steps(monkeypatch):
-    """The top-up per request: taken by an eager server, on the CPU engine (REFERENCE_ENV
-    "1") and on a GPU (the host path reads it through the torch reference), refused under
-    CUDA graphs naming --disable-cuda-graph. Whole pages per request: only on the CPU
-    engine (the packed kernel skips a selection's empty entries only on a server launched
-    with whole pages); whole pages server-wide on every fast path."""
+def test_host_path_request_options_need_eager_steps(monkeypatch):
+    """The top-up and whole pages per request: taken by an eager server (the CPU engine's,
+    or a GPU's, whose host path reads them through the torch reference), refused under
+    CUDA graphs naming --disable-cuda-graph; whole pages server-wide on every fast path."""
     from sfi_sglang.method.config import SFIConfigError
-    from sfi_sglang.method.options import EAGER_ENV, REFERENCE_ENV, request_config
+    from sfi_sglang.method.options import EAGER_ENV, request_config
 
+    for opts in ({"topup_pages": 2}, {"selection_page": 16}):
+        monkeypatch.setenv(EAGER_ENV, "1")
+        got = request_config(SFIConfig(), {"sfi": opts})[1]
+        assert all(getattr(got, k) == v for k, v in opts.items())
+        monkeypatch.setenv(EAGER_ENV, "0")
+        with pytest.raises(SFIConfigError, match=f"{next(iter(opts))} need a server launched with --disable-cuda-graph"):
+            request_config(SFIConfig(), {"sfi": opts})
     monkeypatch.setenv(EAGER_ENV, "1")
-    for ref in ("1", "0"):
-        monkeypatch.setenv(REFERENCE_ENV, ref)
-        assert request_config(SFIConfig(), {"sfi": {"topup_pages": 2}})[1].topup_pages == 2
-    monkeypatch.setenv(EAGER_ENV, "0")
-    with pytest.raises(SFIConfigError, match="topup_pages need a server launched with --disable-cuda-graph"):
-        request_config(SFIConfig(), {"sfi": {"topup_pages": 2}})
-    monkeypatch.setenv(EAGER_ENV, "1")
-    monkeypatch.setenv(REFERENCE_ENV, "1")
-    assert request_config(SFIConfig(), {"sfi": {"selection_page": 16}})[1].selection_page == 16
-    monkeypatch.setenv(REFERENCE_ENV, "0")
-    with pytest.raises(SFIConfigError, match=r"differ from the server's --sfi-selection-page \(1\) on a GPU"):
-        request_config(SFIConfig(), {"sfi": {"selection_page": 16}})
     pages = SFIConfig(selection_page=16)
     assert request_config(pages, {"sfi": {"budget": 512}})[1].selection_page == 16  # the server's
     assert SFIConfig(selection_page=16, fast_path="flashinfer").selection_page == 16

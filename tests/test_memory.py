@@ -250,8 +250,10 @@ def test_topup_every_n_layers_reuses_the_groups_pages():
 @pytest.mark.parametrize("fast_path", ["reference", "triton", "triton-pool"])
 def test_reference_fast_step_with_extra_positions(fast_path):
     """attend_fast(extra=...) == float64 attention over the memory's positions and the extra
-    ones (deduplicated; -1 and positions past a row's context read nothing), on every fast
-    path's memory (the top-up of a GPU server's eager host path reads the torch reference)."""
+    ones (deduplicated; -1 and positions past a row's context read nothing), and
+    attend_fast(reference=True) over the memory's alone, on every fast path's memory and
+    with holes in the selection (a request's own whole pages on a server without them): a
+    GPU server's eager host path reads the torch reference for what its kernels do not read."""
     Hkv, G, D = 2, 2, 16
     packed = fast_path != "reference"
     cfg = SFIConfig(sinks=4, window=8, budget=12, dense_layers=(), fast_path="triton" if not packed else fast_path)
@@ -259,22 +261,24 @@ def test_reference_fast_step_with_extra_positions(fast_path):
     st, gen = make_pool(t, Hkv, G, D, seed=5)
     mem = SparseMemory(2, [0, 1], 8, Hkv, D, cfg, DEV, torch.float32, packed=packed)
     pos, cnt, ws = selection(cfg, n_sel, Hkv, gen, k=10)
+    pos[:, :, 2:4] = -1                     # holes inside the count, as a page selection leaves
     mem.store(1, st["rpi"], pos[..., :10], cnt, ws, st["k"], st["v"], st["rtt"])
     extra = torch.full((2, Hkv, 6), -1, dtype=torch.int64)
     extra[:, :, :3] = torch.tensor([20, 21, 22])
     extra[0, 0, 3] = pos[0, 0, 0]           # already held: read once
     extra[1, 1, 3] = 70                     # past row 1's context (61): not read
-    out = mem.attend_fast(1, st["q"], st["k"], st["v"], st["rtt"], st["rpi"], st["seq_lens"], 0.25,
-                          extra=extra.to(DEV))
-    for b, slot in enumerate(st["rpi"].tolist()):
-        base = fast_positions(mem, 1, slot, t[b])
-        for h in range(Hkv):
-            p = sorted(set(base[h].tolist()) | {x for x in extra[b, h].tolist() if 0 <= x < t[b]})
-            slots = st["rtt"][slot][p].long()
-            keys, vals = st["k"][slots, h].double(), st["v"][slots, h].double()
-            qh = st["q"][b].double().view(Hkv, G, D)[h]
-            o = torch.softmax(qh @ keys.T * 0.25, -1) @ vals
-            assert rel_err(out[b].view(Hkv, G, D)[h], o) < 1e-5
+    args = (1, st["q"], st["k"], st["v"], st["rtt"], st["rpi"], st["seq_lens"], 0.25)
+    for out, ext in ((mem.attend_fast(*args, extra=extra.to(DEV)), extra),
+                     (mem.attend_fast(*args, reference=True), torch.full_like(extra, -1))):
+        for b, slot in enumerate(st["rpi"].tolist()):
+            base = fast_positions(mem, 1, slot, t[b])
+            for h in range(Hkv):
+                p = sorted({x for x in base[h].tolist() if x >= 0} | {x for x in ext[b, h].tolist() if 0 <= x < t[b]})
+                slots = st["rtt"][slot][p].long()
+                keys, vals = st["k"][slots, h].double(), st["v"][slots, h].double()
+                qh = st["q"][b].double().view(Hkv, G, D)[h]
+                o = torch.softmax(qh @ keys.T * 0.25, -1) @ vals
+                assert rel_err(out[b].view(Hkv, G, D)[h], o) < 1e-5
 
 
 def test_reset_store_and_bytes():

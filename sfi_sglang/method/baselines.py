@@ -134,7 +134,8 @@ class HostPath:
                 extra = (self.topup(lid, slot, req.host_step, q[i], kc, r2t[slot], cfg)
                          if cfg.topup_pages else None)
                 o[i] = mem.attend_fast(lid, q[i:i + 1], kc, vc, r2t, rpi, sl, scale,
-                                       lse_out=self.monitor.out(lid, i + 1, i), extra=extra)[0]
+                                       lse_out=self.monitor.out(lid, i + 1, i), extra=extra,
+                                       reference=cfg.selection_page != mem.cfg.selection_page)[0]
                 continue
             # a slow step's output is its dense pass (the device pass skips host rows on the
             # CPU: backend._host_only), and its logits make the new selection

@@ -322,7 +322,7 @@ class SparseMemory:
                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                     out: Optional[torch.Tensor] = None, fast_plan=None, max_len: Optional[int] = None,
                     win_start: Optional[torch.Tensor] = None, lse_out: Optional[torch.Tensor] = None,
-                    extra: Optional[torch.Tensor] = None, **kernel_kw) -> torch.Tensor:
+                    extra: Optional[torch.Tensor] = None, reference: bool = False, **kernel_kw) -> torch.Tensor:
         """Fast-step attention q [b, H_q, D] -> [b, H_q, D] over sinks + selected + window.
         Triton: one kernels.fast_decode launch (no host sync); FlashInfer: `fast_plan` from
         plan_fast for these rows; else the torch reference over the first max_len
@@ -330,11 +330,13 @@ class SparseMemory:
         window starts of these rows, when the caller has them (step_window_start).
         lse_out [b, H_q] float32: also each head's log-sum-exp over the memory (Triton and
         the torch reference; config.py refuses the adaptive trigger on FlashInfer).
-        extra [b, H_kv, E]: positions read besides the memory (-1: none), the top-up's pages
-        (the host path, eager steps): on every fast path through the torch reference."""
+        extra [b, H_kv, E]: positions read besides the memory (-1: none), the top-up's pages.
+        With extra, or reference=True (a request's own whole pages, whose holes the kernels
+        skip only on a server launched with them), the torch reference on every fast path:
+        the host path's rows, in eager steps."""
         li = self.layer_index[layer_id]
         rpi = req_pool_indices.to(self.device).long()
-        if extra is not None:
+        if extra is not None or reference:
             return self._attend_fast_ref(li, q, k_cache, v_cache, req_to_token, rpi, seq_lens, sm_scale, out,
                                          max_len, lse_out, extra)
         if self.fast_path == "flashinfer":

@@ -14,9 +14,6 @@ from sfi_sglang.method.config import SFIConfig, SFIConfigError, cli_name
 # Set (to "1") by sfi_sglang.engine when the server runs its decode steps eagerly (no CUDA
 # graphs): only then may a request use options that the device-side step cannot serve.
 EAGER_ENV = "SFI_SGLANG_EAGER_DECODE"
-# Set by sfi_sglang.engine.launch_kwargs to "1" on the CPU engine, whose memory is the torch
-# reference: only there may a request use the reference-only options (reference_only).
-REFERENCE_ENV = "SFI_SGLANG_TORCH_REFERENCE"
 # Per-request options the device-side decode step serves (per-slot tensors: the trigger
 # policy's counters, the SFI switch, dense layers beyond the server's).
 DEVICE_OPTIONS = frozenset({"min_gap", "cooldown", "max_interval", "refresh", "adaptive_threshold",
@@ -93,12 +90,6 @@ def request_config(server: SFIConfig, custom_params,
         if overrides.get(name, getattr(server, name)) != getattr(server, name):
             raise SFIConfigError(f'custom_params["sfi"]["{name}"] cannot differ from the server\'s '
                                  f"--sfi-{name.replace('_', '-')}")
-    if cfg.selection_page != server.selection_page and os.environ.get(REFERENCE_ENV) != "1":
-        # the packed fast kernel skips a whole-page selection's empty entries only on a
-        # server launched with whole pages (SparseMemory.attend_fast)
-        raise SFIConfigError(f'custom_params["sfi"]["selection_page"] ({cfg.selection_page}) cannot '
-                             f"differ from the server's {cli_name('selection_page')} ({server.selection_page}) "
-                             "on a GPU: launch the server with it")
     if not on_device_path(cfg, server) and os.environ.get(EAGER_ENV) != "1":
         other = sorted(k for k in overrides if k not in DEVICE_OPTIONS)
         what = (f"option(s) {', '.join(other)}" if other
