@@ -336,15 +336,13 @@ class SparseMemory:
         the host path's rows, in eager steps."""
         li = self.layer_index[layer_id]
         rpi = req_pool_indices.to(self.device).long()
-        if extra is not None or reference:
-            return self._attend_fast_ref(li, q, k_cache, v_cache, req_to_token, rpi, seq_lens, sm_scale, out,
-                                         max_len, lse_out, extra)
-        if self.fast_path == "flashinfer":
+        kernel = extra is None and not reference
+        if kernel and self.fast_path == "flashinfer":
             fl = fast_plan if fast_plan is not None else self.fast_lists(rpi, seq_lens)
             return self._fi.run(q, k_cache, v_cache, req_to_token, rpi, fl.lengths, fl.start, seq_lens,
                                 fl.win_start, self.n_sinks, self.sel_pos[li], self.sel_count, out=out,
                                 lse_out=lse_out, row_of=self.rows.kernel_arg())
-        if self.packed:
+        if kernel and self.packed:
             ws = self.fast_ws[rpi] if win_start is None else win_start
             if self.fast_path == "triton-pool":
                 kernel_kw.update(sel_pos=self.sel_pos[li], n_sinks=self.n_sinks)
@@ -356,13 +354,6 @@ class SparseMemory:
             return self._k.fast_decode(q, k_cache, v_cache, req_to_token, rpi, seq_lens, ws,
                                        *packed, self.packed_len, sm_scale, out=out, lse_out=lse_out,
                                        row_of=self.rows.kernel_arg(), **kernel_kw)
-        return self._attend_fast_ref(li, q, k_cache, v_cache, req_to_token, rpi, seq_lens, sm_scale, out,
-                                     max_len, lse_out, None)
-
-    def _attend_fast_ref(self, li, q, k_cache, v_cache, req_to_token, rpi, seq_lens, sm_scale, out, max_len,
-                         lse_out, extra) -> torch.Tensor:
-        """The torch reference of a fast step: sinks, selection and window as a mask, and
-        the extra positions where given."""
         n = self._ref_len(seq_lens, max_len)
         allowed = self._fast_mask(li, rpi, seq_lens, n)
         if extra is not None:
