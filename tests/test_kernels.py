@@ -421,8 +421,9 @@ def test_store_key_norms(H, D, dtype):
     K.ref_store_key_norms(k, loc, ref)
     assert torch.equal(torch.isnan(norms), torch.isnan(ref))
     assert int((~torch.isnan(norms[:, 0])).sum()) == T
-    # float32: the float64 norm to float32 rounding; bf16: at most one bf16 step (2^-8) apart
-    assert rel_err(norms[loc].double(), ref[loc].double()) < (1e-6 if dtype == torch.float32 else 2 ** -8)
+    # float32: the float64 norm to float32 rounding; bf16: at most one bf16 step apart (2^-7
+    # relative; the interpreter's cast and torch's may round a norm to neighbouring steps)
+    assert rel_err(norms[loc].double(), ref[loc].double()) < (1e-6 if dtype == torch.float32 else 2 ** -7)
 
 
 # ------------------------------------------------------------------- CPU fallback path
