@@ -59,6 +59,10 @@ def main(argv=None) -> int:
                    help="--sfi-memory-rows: fewer than the batch's SFI rows, so some run dense (no row), "
                         "the rest through the kernels' row_of, graphs on and off; writes "
                         "graph_check_h200[...]_rows.json")
+    p.add_argument("--topup-pages", type=int, default=0,
+                   help="the per-step top-up (--sfi-topup-pages) in the graph, checked the same way; writes "
+                        "graph_check_h200[...]_topup.json")
+    p.add_argument("--topup-every", type=int, default=1)
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
 
@@ -102,7 +106,8 @@ def main(argv=None) -> int:
     cfg = SFIConfig(budget=512, window=128, refresh=args.refresh, max_interval=args.slow_every,
                     min_gap=min(16, args.slow_every), adaptive_threshold=args.adaptive_threshold,
                     selection_page=args.selection_page, fast_path=args.fast_path,
-                    max_slow_rows=args.max_slow_rows, memory_rows=args.memory_rows)
+                    max_slow_rows=args.max_slow_rows, memory_rows=args.memory_rows,
+                    topup_pages=args.topup_pages, topup_every=args.topup_every)
     model = bench.DummyModel(bench.SHAPES[args.shape], dtype, dev)
     B = args.batch
     kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else None
@@ -212,7 +217,7 @@ def main(argv=None) -> int:
             + ("_pages" if args.selection_page > 1 else "")
             + (f"_{args.fast_path.replace('-', '_')}" if args.fast_path != "triton" else "")
             + ("_fp8" if kv_dtype is not None else "")
-            + ("_rows" if args.memory_rows else ""))
+            + ("_rows" if args.memory_rows else "") + ("_topup" if args.topup_pages else ""))
     with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(res, f, indent=1)
     return 0 if same and sync_ok and (HAS_IF_NODE or res_if["graph_if_available"]) else 1

@@ -40,6 +40,9 @@ Two parts, one process:
      ...-rows       any sfi engine with --sfi-memory-rows of half the batch: the other half of
                     the rows hold no memory and run dense (the price of rows given out)
      ...-autorows   any sfi engine with --sfi-memory-rows auto (not on `sfi-triton`)
+     ...-topup      any sfi engine with the per-step top-up: 32 pages of 16 chosen per step
+                    and layer, the budget 1536 (the same tokens read as sfi's 2048)
+     ...-every8-topup  the same with the pages chosen at every 8th sparse layer (--sfi-topup-every 8)
 
 CONTEXTxmax: each engine at the largest batch its own KV pool holds. The engine captures
 decode graphs at 1, 8 and steps of an eighth of an upper bound on that batch (the
@@ -367,6 +370,13 @@ def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) 
     if name.endswith("-nodense"):  # no layer kept dense (--sfi-dense-layers none)
         kw["sfi_dense_layers"] = "none"
         name = name[:-len("-nodense")]
+    if name.endswith("-topup"):  # the per-step top-up: a quarter of the budget in pages of 16, chosen per
+        kw["sfi_topup_pages"] = 2048 // 4 // 16  # step (the eval's sfi-topup: the same tokens read)
+        kw["sfi_budget"] = 2048 - 2048 // 4
+        name = name[:-len("-topup")]
+    if name.endswith("-every8"):  # its pages chosen at every 8th sparse layer, reused by the next 7
+        kw["sfi_topup_every"] = 8
+        name = name[:-len("-every8")]
     if name.endswith("-pages"):  # the Selector keeps whole pages of 16
         kw["sfi_selection_page"] = 16
         name = name[:-len("-pages")]

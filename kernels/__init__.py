@@ -10,7 +10,8 @@ path leaves TRITON_INTERPRET unfixed for the rest of the process.
 import importlib
 
 from .reference import (ref_dense_decode_with_scores, ref_fast_decode, ref_pack,  # noqa: F401
-                        ref_store_key_norms)
+                        ref_store_key_norms, page_bounds, extra_positions, ref_page_scores,
+                        ref_drop_held)
 
 # public name -> the submodule that defines it
 _LAZY = {
@@ -18,7 +19,8 @@ _LAZY = {
     "store_selection": "pack",
     "fused_topk_key": "selector", "dense_decode": "slow_decode",
     "dense_decode_with_scores": "slow_decode", "topk_positions": "topk",
-    "set_batch_invariant": "_common",
+    "set_batch_invariant": "_common", "page_scores": "topup", "choose_pages": "topup",
+    "choose_topup": "topup", "drop_held": "topup",
 }
 
 
@@ -34,4 +36,5 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = [*_LAZY, "ref_fast_decode", "ref_dense_decode_with_scores", "ref_pack", "ref_store_key_norms"]
+__all__ = [*_LAZY, "ref_fast_decode", "ref_dense_decode_with_scores", "ref_pack", "ref_store_key_norms",
+           "page_bounds", "extra_positions", "ref_page_scores", "ref_drop_held"]

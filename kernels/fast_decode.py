@@ -8,10 +8,12 @@ queries once, then streams a *virtual* sequence made of
                                   (the "triton-pool" fast path, nothing packed), the
                                   sinks [0, n_sinks) then sel_pos[pool, h, :], read in
                                   place through req_to_token
-  [packed_len, packed_len + Lw)   the recent window, positions [win_start, seq_len),
+  [packed_len, + E)               with extra_pages only: the top-up's E positions
+                                  (kernels.topup's pages), read in place
+  [.., .. + Lw)                   the recent window, positions [win_start, seq_len),
                                   read in place through req_to_token
 
-with one online softmax over both. Splits cut the virtual sequence into equal chunks
+with one online softmax over all. Splits cut the virtual sequence into equal chunks
 (per request, so ragged lengths balance), and a small reduce kernel merges them.
 
 Index conventions:
@@ -67,16 +69,18 @@ def _attend_slots(q, K_cache, V_cache, slot, mask_n, mask_d, offs_d, h, stride_k
 def _fast_decode_kernel(
     Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Win_start,
     Packed_k, Packed_v, Packed_len, qk_scale_log2,
-    Out, Mid_o, Mid_lse, Counters, Lse, Holes, Row_of,
+    Out, Mid_o, Mid_lse, Counters, Lse, Holes, Row_of, Extra,
     stride_qb, stride_qh,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     stride_rt,
     stride_pkr, stride_pkh, stride_pkp,
     stride_pvr, stride_pvh, stride_pvp,
     stride_ob, stride_oh, stride_hr, stride_hh, hole_base,
+    stride_eb, stride_eh, extra_len, extra_base,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     WRITE_LSE: tl.constexpr, LISTED: tl.constexpr, HOLES: tl.constexpr, ROW_OF: tl.constexpr,
+    EXTRA_PAGE: tl.constexpr,
 ):
     # LISTED: Packed_k is the layer's sel_pos [slots, H_kv, K] int32 (strides pkr, pkh; -1
     # reads nothing) and Packed_v the slots' n_sinks [slots] int32
@@ -85,6 +89,9 @@ def _fast_decode_kernel(
     # its count hold stale rows)
     # ROW_OF: the memory (Packed_k/v, the LISTED sel_pos, Holes) is indexed by memory row,
     # Row_of[pool]; the per-slot state (Packed_len, n_sinks) and Req_to_token by pool slot
+    # EXTRA_PAGE > 0: Extra [B, H_kv, extra_len / EXTRA_PAGE] int32 page indices (the
+    # top-up's, per batch row; -1: none), read between the memory and the window: entry e is
+    # position extra_base + Extra[b, h, e // EXTRA_PAGE] * EXTRA_PAGE + e % EXTRA_PAGE
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -97,7 +104,8 @@ def _fast_decode_kernel(
     ws = tl.maximum(tl.load(Win_start + b).to(tl.int32), 0)
     lp = tl.load(Packed_len + pool).to(tl.int32)
     lw = tl.maximum(seq_len - ws, 0)
-    total = lp + lw
+    lpe = lp + extra_len  # the memory, then the top-up's pages, then the window
+    total = lpe + lw
     chunk = tl.cdiv(tl.cdiv(total, num_splits), BLOCK_N) * BLOCK_N
     start = s * chunk
     end = tl.minimum(start + chunk, total)
@@ -146,9 +154,24 @@ def _fast_decode_kernel(
             v = tl.load(pv_base + offs_n[:, None] * stride_pvp + offs_d[None, :], mask=mkd, other=0.0)
             m_i, l_i, acc, _qk = _online_update(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, IEEE)
 
-    # 2) window region, window-relative offsets [max(start, lp) - lp, end - lp).
-    w_lo = tl.maximum(start, lp) - lp
-    w_hi = end - lp
+    # 2) the top-up's pages, offsets [max(start, lp) - lp, min(end, lpe) - lp)
+    if EXTRA_PAGE > 0:
+        ex_base = Extra + b * stride_eb + h * stride_eh
+        rt_row = Req_to_token + pool * stride_rt
+        e_hi = tl.minimum(end, lpe) - lp
+        for n0 in range(tl.maximum(start, lp) - lp, e_hi, BLOCK_N):
+            offs_n = n0 + offs_nb
+            mask_n = offs_n < e_hi
+            pg = tl.load(ex_base + offs_n // EXTRA_PAGE, mask=mask_n, other=-1)
+            mask_n = mask_n & (pg >= 0)
+            pos = extra_base + pg * EXTRA_PAGE + offs_n % EXTRA_PAGE
+            slot = tl.load(rt_row + pos, mask=mask_n, other=0).to(tl.int64)
+            m_i, l_i, acc = _attend_slots(q, K_cache, V_cache, slot, mask_n, mask_d, offs_d, h, stride_kcs,
+                                          stride_kch, stride_vcs, stride_vch, m_i, l_i, acc, qk_scale_log2, IEEE)
+
+    # 3) window region, window-relative offsets [max(start, lpe) - lpe, end - lpe).
+    w_lo = tl.maximum(start, lpe) - lpe
+    w_hi = end - lpe
     rt_base = Req_to_token + pool * stride_rt + ws
     for n0 in range(w_lo, w_hi, BLOCK_N):
         offs_n = n0 + offs_nb
@@ -213,7 +236,7 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
                 packed_k, packed_v, packed_len, sm_scale, out=None, num_splits=None,
                 max_window=None, block_n=None, num_warps=None, num_stages=None,
                 fused_reduce=None, counters=None, lse_out=None, sel_pos=None, n_sinks=None,
-                holes=None, hole_base=0, row_of=None):
+                holes=None, hole_base=0, row_of=None, extra_pages=None, extra_base=0, extra_page=1):
     """SFI fast-step attention. q [B,H_q,D]; k_cache/v_cache [slots,H_kv,D];
     packed_k/packed_v [max_reqs,H_kv,P,D]. Returns out [B,H_q,D] (q.dtype).
     sel_pos [max_reqs,H_kv,K] int32 and n_sinks [max_reqs] int32 instead of packed_k and
@@ -225,6 +248,9 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
     candidates' edges) reads no stale packed row.
     row_of [max_reqs] int32, optional: packed_k/packed_v, sel_pos and holes hold memory rows,
     slot p's at row row_of[p] (SparseMemory's rows); packed_len and n_sinks stay per slot.
+    extra_pages [B, H_kv, P] int32, optional (per batch row; kernels.topup's): also the
+    positions extra_base + page * extra_page + [0, extra_page) of each page >= 0, read in
+    place through req_to_token in the same softmax (the top-up; disjoint from the memory).
 
     num_splits: split-K count; None chooses it from the work size (P + max_window,
     max_window defaulting to 512) and the SM count, without reading device values, so
@@ -248,7 +274,8 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
         return ref_fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                                win_start, packed_k, packed_v, packed_len, sm_scale, out=out,
                                lse_out=lse_out, sel_pos=sel_pos, n_sinks=n_sinks, holes=holes,
-                               hole_base=hole_base, row_of=row_of)
+                               hole_base=hole_base, row_of=row_of, extra_pages=extra_pages,
+                               extra_base=extra_base, extra_page=extra_page)
     listed = sel_pos is not None
     assert not (listed and holes is not None), "holes: the packed path's (sel_pos masks itself)"
     if holes is not None:
@@ -262,6 +289,11 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
         assert packed_k.stride(3) == 1 and packed_v.stride(3) == 1
         P = packed_k.shape[2]
     BLOCK_N = block_n or BLOCK_N_DEFAULT
+    extra_len = 0
+    if extra_pages is not None:
+        assert extra_pages.dtype == torch.int32 and extra_pages.stride(2) == 1
+        extra_len = extra_pages.shape[2] * int(extra_page)
+        P += extra_len
     if num_splits is None:
         num_splits = choose_num_splits(split_programs(B, Hkv), P + (max_window or 512), BLOCK_N, q.device,
                                        min_blocks_per_split=2, max_splits=MAX_SPLITS_DEFAULT,
@@ -289,6 +321,7 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
         packed_k, packed_v, packed_len, float(sm_scale) * LOG2E,
         out, mid_o, mid_lse, counters, lse_out if lse_out is not None else mid_lse,
         holes if holes is not None else seq_lens, row_of if row_of is not None else seq_lens,
+        extra_pages if extra_pages is not None else seq_lens,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0),
@@ -296,9 +329,11 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
         *((0, 0, 0) if listed else (packed_v.stride(0), packed_v.stride(1), packed_v.stride(2))),
         out.stride(0), out.stride(1),
         *((holes.stride(0), holes.stride(1)) if holes is not None else (0, 0)), int(hole_base),
+        *((extra_pages.stride(0), extra_pages.stride(1)) if extra_pages is not None else (0, 0)),
+        extra_len, int(extra_base),
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, IEEE=ieee, FUSED_REDUCE=fused,
         WRITE_LSE=lse_out is not None, LISTED=listed, HOLES=holes is not None,
-        ROW_OF=row_of is not None,
+        ROW_OF=row_of is not None, EXTRA_PAGE=int(extra_page) if extra_pages is not None else 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and not fused:

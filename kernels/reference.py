@@ -33,17 +33,27 @@ def _finish(result, out):
     return out
 
 
+def extra_positions(extra_pages, base: int, page: int) -> torch.Tensor:
+    """Positions [..., P * page] of page indices extra_pages [..., P] counted from base
+    (-1 for each position of a -1 page): the top-up's pages as positions."""
+    pg = extra_pages.long()
+    pos = base + pg[..., None] * page + torch.arange(page, device=pg.device)
+    return torch.where(pg[..., None] >= 0, pos, -1).flatten(-2)
+
+
 def ref_fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, win_start,
                     packed_k, packed_v, packed_len, sm_scale, out=None,
                     compute_dtype=torch.float64, lse_out=None, sel_pos=None, n_sinks=None, holes=None,
-                    hole_base=0, row_of=None, **_ignored):
+                    hole_base=0, row_of=None, extra_pages=None, extra_base=0, extra_page=1, **_ignored):
     """Attention of q over packed[pool, h, :packed_len[pool]] + window [win_start, seq_len);
     with sel_pos [slots, H_kv, K] and n_sinks [slots] instead of the packed buffers, over
     the positions [0, n_sinks) then sel_pos[pool, h, :packed_len - n_sinks] (-1: none),
     read through req_to_token. holes [slots, H_kv, K] (packed buffers): packed entry
     e >= hole_base counts only where holes[pool, h, e - hole_base] >= 0. lse_out [B, H_q]:
     each head's log-sum-exp of its logits (-inf for an empty memory). row_of [slots]: the
-    memory (packed buffers, sel_pos, holes) holds slot p's at row row_of[p]."""
+    memory (packed buffers, sel_pos, holes) holds slot p's at row row_of[p]. extra_pages
+    [B, H_kv, P] (per batch row): also the pages extra_positions(extra_pages, extra_base,
+    extra_page), read through req_to_token (-1: none)."""
     if row_of is not None:  # the memory seen per slot
         packed_k, packed_v, sel_pos, holes = (None if t is None else t[row_of.long()]
                                               for t in (packed_k, packed_v, sel_pos, holes))
@@ -55,37 +65,94 @@ def ref_fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_len
     rpi = req_pool_indices.tolist()
     sl = seq_lens.tolist()
     ws = win_start.tolist()
+    extra = None if extra_pages is None else extra_positions(extra_pages, extra_base, extra_page)
     for b in range(B):
         pool = int(rpi[b])
         lp = int(packed_len[pool])
         w0 = max(int(ws[b]), 0)
         w1 = max(int(sl[b]), w0)
-        slots = req_to_token[pool, w0:w1].long()
-        if sel_pos is not None:  # per KV head: its own positions (-1 entries read nothing)
-            ns = int(n_sinks[pool])
-            qb = q[b].to(cd).view(Hkv, G, D)
-            lses = []
-            for h in range(Hkv):
+        window = torch.arange(w0, w1, device=q.device)
+        qb = q[b].to(cd).view(Hkv, G, D)
+        lses = []
+        for h in range(Hkv):
+            if sel_pos is not None:  # its own positions (-1 entries read nothing)
+                ns = int(n_sinks[pool])
                 sel = sel_pos[pool, h, :lp - ns].long()
-                pos = torch.cat([torch.arange(ns, device=sel.device), sel[sel >= 0]])
-                held = torch.cat([req_to_token[pool, pos].long(), slots])
-                o, lg = _attend(qb[h], k_cache[held, h][None].to(cd), v_cache[held, h][None].to(cd),
-                                sm_scale, G)
-                res[b, h * G:(h + 1) * G] = o
-                lses.append(torch.logsumexp(lg, -1))
-            if lse_out is not None:
-                lse_out[b] = torch.cat(lses).to(lse_out.dtype)
-            continue
-        keys = torch.cat([packed_k[pool, :, :lp].to(cd), k_cache[slots].to(cd).transpose(0, 1)], 1)
-        vals = torch.cat([packed_v[pool, :, :lp].to(cd), v_cache[slots].to(cd).transpose(0, 1)], 1)
-        mask = None
-        if holes is not None:  # [H_kv, lp + window]: False at a hole
-            e = torch.arange(keys.shape[1], device=keys.device)
-            idx = (e - hole_base).clamp(0, holes.shape[-1] - 1)
-            mask = (e < hole_base) | (e >= lp) | (holes[pool][:, idx] >= 0)
-        res[b], logits = _attend(q[b].to(cd), keys, vals, sm_scale, G, mask=mask)
+                head = [torch.arange(ns, device=sel.device), sel[sel >= 0]]
+                keys, vals = [], []
+            else:  # the packed entries (less the holes)
+                e = torch.arange(lp, device=q.device)
+                keep = e < hole_base
+                if holes is not None:
+                    keep = keep | (holes[pool, h, (e - hole_base).clamp(0, holes.shape[-1] - 1)] >= 0)
+                else:
+                    keep = torch.ones_like(keep)
+                head = []
+                keys, vals = [packed_k[pool, h, :lp][keep].to(cd)], [packed_v[pool, h, :lp][keep].to(cd)]
+            if extra is not None:
+                head.append(extra[b, h][extra[b, h] >= 0])
+            slots = req_to_token[pool, torch.cat([*head, window]).long()].long()
+            keys.append(k_cache[slots, h].to(cd))
+            vals.append(v_cache[slots, h].to(cd))
+            o, lg = _attend(qb[h].reshape(G, D), torch.cat(keys)[None], torch.cat(vals)[None], sm_scale, G)
+            res[b, h * G:(h + 1) * G] = o
+            lses.append(torch.logsumexp(lg, -1))
         if lse_out is not None:
-            lse_out[b] = torch.logsumexp(logits, -1).to(lse_out.dtype)
+            lse_out[b] = torch.cat(lses).to(lse_out.dtype)
+    return _finish(res, out)
+
+
+def page_bounds(q, keys, lo: int, num_pages: int, page: int) -> torch.Tensor:
+    """Quest's score [H, num_pages] of the pages of `page` tokens from lo: per KV head, the
+    max over the group's query heads q [H, G, D] of sum_d max(q_d * kmin_d, q_d * kmax_d),
+    an upper bound of q.k on the page (keys [n, H, D], the request's), in q's dtype."""
+    blk = keys[lo: lo + num_pages * page].to(q.dtype).reshape(num_pages, page, *keys.shape[1:])
+    kmin, kmax = blk.amin(dim=1), blk.amax(dim=1)  # [P, H, D]
+    qf = q[:, :, None, :]  # [H, G, 1, D]
+    bound = torch.maximum(qf * kmin.transpose(0, 1)[:, None], qf * kmax.transpose(0, 1)[:, None])
+    return bound.sum(-1).amax(dim=1)
+
+
+def _held_pages(held, lo: int, page: int, num_pages: int) -> torch.Tensor:
+    """[H, num_pages + 1] bool: the pages (from lo) holding a position of held [H, K]
+    (-1 padded); the last column collects the rest."""
+    held = held.long()
+    inside = (held >= lo) & (held < lo + num_pages * page)
+    hit = torch.zeros(held.shape[0], num_pages + 1, dtype=torch.bool, device=held.device)
+    return hit.scatter_(1, torch.where(inside, (held - lo) // page, num_pages), True)
+
+
+def ref_page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held, lo, page,
+                    max_pages, row_of=None, out=None, compute_dtype=torch.float64, **_ignored):
+    """Reference of topup.page_scores: per row, page_bounds of the whole pages of
+    [lo, min(win_start, seq_len)), -inf past them and on pages holding a held position."""
+    if row_of is not None:
+        held = held[row_of.long()]
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    res = torch.full((B, Hkv, max_pages), float("-inf"), dtype=compute_dtype, device=q.device)
+    for b, pool in enumerate(req_pool_indices.tolist()):
+        hi = min(int(win_start[b]), int(seq_lens[b]))
+        n = min(max(hi - lo, 0) // page, max_pages)
+        if n == 0:
+            continue
+        keys = k_cache[req_to_token[pool, :lo + n * page].long()]
+        score = page_bounds(q[b].to(compute_dtype).view(Hkv, Hq // Hkv, D), keys, lo, n, page)
+        res[b, :, :n] = score.masked_fill(_held_pages(held[pool], lo, page, n)[:, :n], float("-inf"))
+    return _finish(res, out)
+
+
+def ref_drop_held(pages, req_pool_indices, held, lo, page, row_of=None, out=None, **_ignored):
+    """Reference of topup.drop_held: -1 for each page of pages [B, H_kv, P] that holds a
+    position of held (by row_of's memory row, else by slot)."""
+    if row_of is not None:
+        held = held[row_of.long()]
+    res = pages.clone()
+    for b, pool in enumerate(req_pool_indices.tolist()):
+        h = held[pool].long()
+        hp = torch.where(h >= lo, (h - lo) // page, -2)  # [H, K]
+        hit = (pages[b].long()[:, :, None] == hp[:, None, :]).any(-1) & (pages[b] >= 0)
+        res[b] = torch.where(hit, -1, pages[b])
     return _finish(res, out)
 
 

@@ -110,8 +110,9 @@ def launch_kwargs(kwargs: dict[str, Any], cfg: SFIConfig, enabled: bool) -> dict
         os.environ[EAGER_ENV] = "1" if out.get("disable_cuda_graph") else "0"
         ref_only = ", ".join(reference_only(cfg))
         if ref_only and not out.get("disable_cuda_graph"):
-            raise ValueError(f"{ref_only}: runs only in the torch reference (eager decode steps); "
-                             "add --disable-cuda-graph, or leave it at its default")
+            raise ValueError(f"{ref_only}: the flashinfer fast path runs it only in the torch reference "
+                             "(eager decode steps): use --sfi-fast-path triton-pool or triton, add "
+                             "--disable-cuda-graph, or leave it at its default")
         cfg = cfg.on_device(has_gpu())  # --sfi-memory-rows auto: 0 on the packed triton path
         if cfg.dense_backend != "auto" and not has_gpu():
             raise ValueError(f"--sfi-dense-backend {cfg.dense_backend} needs a CUDA GPU; the CPU engine "

@@ -120,21 +120,23 @@ def test_dense_backend_other_than_auto_needs_a_gpu(monkeypatch):
 
 
 def test_reference_only_options_need_eager_decode_steps(monkeypatch):
-    """The top-up runs in the torch reference (eager steps): a launch with CUDA graphs on is
-    refused, naming it and what to change; without graphs (the CPU's default) it launches.
-    Whole pages (--sfi-selection-page) run on the device path too: no refusal."""
+    """The top-up runs in the Triton fast paths' kernel (under CUDA graphs) and, on the
+    FlashInfer fast path, only in the torch reference (eager steps): a launch with graphs
+    on and that path is refused, naming it and what to change; without graphs it launches."""
     import os
 
     from sfi_sglang.engine import launch_kwargs
     from sfi_sglang.method.config import SFIConfig
 
     monkeypatch.setattr(os, "environ", os.environ.copy())
-    with pytest.raises(ValueError, match="--sfi-topup-pages: runs .* add --disable-cuda-graph"):
-        launch_kwargs({"model_path": "m", "disable_cuda_graph": False}, SFIConfig(topup_pages=2), enabled=True)
-    with pytest.raises(ValueError, match="^--sfi-topup-pages: runs .* add --disable"):
-        launch_kwargs({"model_path": "m", "disable_cuda_graph": False},
-                      SFIConfig(topup_pages=2, selection_page=16), enabled=True)
-    assert launch_kwargs({"model_path": "m", "disable_cuda_graph": False}, SFIConfig(selection_page=16),
+    graphs = {"model_path": "m", "disable_cuda_graph": False}
+    for fast_path in ("triton", "triton-pool"):
+        assert launch_kwargs(dict(graphs), SFIConfig(topup_pages=2, fast_path=fast_path, selection_page=16),
+                             enabled=True)["attention_backend"] == "sfi"
+    with pytest.raises(ValueError, match="^--sfi-topup-pages: the flashinfer fast path .* triton-pool"):
+        launch_kwargs(dict(graphs), SFIConfig(topup_pages=2, fast_path="flashinfer"), enabled=True)
+    assert launch_kwargs({"model_path": "m", "disable_cuda_graph": True},
+                         SFIConfig(topup_pages=2, fast_path="flashinfer"),
                          enabled=True)["attention_backend"] == "sfi"
     assert launch_kwargs({"model_path": "m", "disable_cuda_graph": True}, SFIConfig(topup_pages=2),
                          enabled=True)["attention_backend"] == "sfi"

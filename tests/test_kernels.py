@@ -205,6 +205,100 @@ def test_fast_decode_reads_the_selection_in_place(G, D, splits, block_n, seq_len
         assert torch.isfinite(got).all() and rel_err(got, ref) < TOL[torch.float32]
 
 
+def _topup_state(seq_lens, S, W, Kc, P, page, G=3, D=32, Hkv=2, rows=False, seed=0):
+    """A random state with a selection per slot (held [slots or rows, H_kv, Kc], -1
+    padded, without the sinks) and its row_of (memory rows in another order) if rows."""
+    st = make_state(len(seq_lens), Hkv, G, D, P, seq_lens, seed=seed)
+    positions, win_start, packed_len = sfi_layout(st, S, W, Kc, seq_lens, P)
+    max_reqs = st["packed_k"].shape[0]
+    held = torch.full((max_reqs, Hkv, Kc), -1, dtype=torch.int32)
+    for b in range(len(seq_lens)):
+        pool = int(st["req_pool_indices"][b])
+        n = int(packed_len[pool]) - S
+        held[pool, :, :n] = positions[b, :, S:S + n].cpu()
+    row_of = None
+    if rows:
+        row_of = torch.randperm(max_reqs, generator=st["gen"]).int()
+        by_row = torch.full_like(held, -1)
+        by_row[row_of.long()] = held
+        held = by_row
+    st.update(positions=positions, win_start=win_start, packed_len=packed_len, held=held.to(DEV),
+              row_of=None if row_of is None else row_of.to(DEV),
+              max_pages=st["req_to_token"].shape[1] // page)
+    return st
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_topup_page_scores_and_choice(rows):
+    """kernels.topup against float64: Quest's bound of each whole page of [S, window start),
+    -inf on pages holding a held position and past a row's pages; the top pages chosen
+    are the reference's, hold no held position; drop_held takes out another layer's."""
+    S, W, Kc, page, take = 4, 40, 20, 8, 3
+    seq_lens = [300, 41, 200]
+    st = _topup_state(seq_lens, S, W, Kc, 48, page, rows=rows)
+    args = (st["q"], st["k_cache"], st["req_to_token"], st["req_pool_indices"], st["seq_lens"],
+            st["win_start"], st["held"], S, page, st["max_pages"])
+    got = K.page_scores(*args, row_of=st["row_of"])
+    ref = K.ref_page_scores(*args, row_of=st["row_of"])
+    assert torch.equal(got.isinf().cpu(), ref.isinf().cpu())
+    fin = ~ref.isinf()
+    assert fin.sum() > 30 and (got[fin].double() - ref[fin]).abs().max() < 1e-4 * ref[fin].abs().max()
+    for b, n in enumerate(seq_lens):  # the pages that count: whole ones before the window, none held
+        hi = int(st["win_start"][b])
+        pool = int(st["req_pool_indices"][b])
+        held = st["held"][int(st["row_of"][pool]) if rows else pool].cpu()
+        for h in range(2):
+            hp = {(int(x) - S) // page for x in held[h] if x >= 0}
+            want = [p for p in range(max(hi - S, 0) // page) if p not in hp]
+            assert fin[b, h].nonzero()[:, 0].tolist() == want
+    chosen = K.choose_pages(got, take)
+    assert torch.equal(chosen.sort(-1).values.cpu(), K.choose_pages(ref, take).sort(-1).values.cpu())
+    assert chosen.dtype == torch.int32 and (chosen[1] == -1).all()  # row 1: no whole page outside its memory
+    other = torch.randint(-1, st["max_pages"] * page, st["held"].shape, generator=st["gen"]).int().to(DEV)
+    dropped = K.drop_held(chosen, st["req_pool_indices"], other, S, page, row_of=st["row_of"])
+    assert torch.equal(dropped.cpu(), K.ref_drop_held(chosen, st["req_pool_indices"], other, S, page,
+                                                      row_of=st["row_of"]).cpu())
+    assert ((dropped == -1) & (chosen >= 0)).any() and ((dropped == chosen) & (chosen >= 0)).any()
+
+
+@pytest.mark.parametrize("listed", [False, True])
+def test_fast_decode_reads_the_topup_pages(listed):
+    """fast_decode with extra_pages (the top-up) equals float64 attention over sinks,
+    selection, the pages' positions and the window, on the packed and in-place paths; and
+    the reference's pages equal the same positions listed in the selection."""
+    S, W, Kc, P, page, G, D = 4, 40, 20, 24, 8, 3, 32
+    seq_lens = [300, 41, 200]
+    st = _topup_state(seq_lens, S, W, Kc, P, page, G=G, D=D)
+    K.pack(st["k_cache"], st["v_cache"], st["req_to_token"], st["req_pool_indices"], st["positions"],
+           st["packed_k"], st["packed_v"])
+    scores = K.page_scores(st["q"], st["k_cache"], st["req_to_token"], st["req_pool_indices"], st["seq_lens"],
+                           st["win_start"], st["held"], S, page, st["max_pages"])
+    extra = K.choose_pages(scores, 3)
+    n_sinks = torch.full((st["packed_k"].shape[0],), S, dtype=torch.int32, device=DEV)
+    args = (st["q"], st["k_cache"], st["v_cache"], st["req_to_token"], st["req_pool_indices"],
+            st["seq_lens"], st["win_start"])
+    mem = (None, None) if listed else (st["packed_k"], st["packed_v"])
+    kw = dict(sel_pos=st["held"], n_sinks=n_sinks) if listed else {}
+    top = dict(extra_pages=extra, extra_base=S, extra_page=page)
+    ref = K.ref_fast_decode(*args, *mem, st["packed_len"], D ** -0.5, **kw, **top)
+    out = K.fast_decode(*args, *mem, st["packed_len"], D ** -0.5, num_splits=3, block_n=16, **kw, **top)
+    assert torch.isfinite(out).all() and rel_err(out, ref) < TOL[torch.float32]
+    # the same positions listed after the selection, read with no top-up
+    pos = K.extra_positions(extra, S, page).cpu()
+    sel = torch.full((st["packed_k"].shape[0], 2, Kc + pos.shape[-1]), -1, dtype=torch.int32)
+    plen = st["packed_len"].clone()
+    for b in range(len(seq_lens)):
+        pool = int(st["req_pool_indices"][b])
+        for h in range(2):
+            row = torch.cat([st["held"][pool, h].cpu(), pos[b, h]])
+            row = row[row >= 0]
+            sel[pool, h, :row.numel()] = row.int()
+        plen[pool] = S + Kc + pos.shape[-1]
+    listed_ref = K.ref_fast_decode(*args, None, None, plen, D ** -0.5, sel_pos=sel.to(DEV), n_sinks=n_sinks)
+    assert rel_err(ref, listed_ref) < 1e-12
+    assert rel_err(ref, K.ref_fast_decode(*args, *mem, st["packed_len"], D ** -0.5, **kw)) > 1e-3
+
+
 def test_fast_decode_after_pack_equals_dense_when_memory_covers_history():
     """Below S+K+W tokens the sparse memory is the whole history: SFI == dense."""
     G, D, Hkv, P = 4, 32, 2, 64

@@ -196,10 +196,10 @@ def test_reference_partial_selection_matches_positions():
 
 
 def test_topup_pages_are_the_best_pages_not_held():
-    """topup_positions: per KV head, the `pages` pages of [lo, hi) with the highest Quest
-    bound (an upper bound of every q.k on the page) among those holding no held position,
-    brute-forced on random inputs."""
-    from sfi_sglang.method.baselines import page_bounds, topup_positions
+    """The top-up (kernels.choose_topup's torch path): per KV head, the `pages` pages of
+    [sinks, window start) with the highest Quest bound (an upper bound of every q.k on the
+    page) among those holding no held position, brute-forced on random inputs."""
+    from sfi_sglang.kernels import choose_topup, page_bounds
 
     gen = torch.Generator().manual_seed(3)
     H, G, D, n, lo, hi, page, pages = 2, 3, 8, 120, 4, 100, 8, 3
@@ -209,22 +209,29 @@ def test_topup_pages_are_the_best_pages_not_held():
     assert (bound + 1e-5 >= qk.amax(1).reshape(H, 12, page).amax(-1)).all()
     best = bound.argsort(dim=-1, descending=True)
     # head 0 holds its best page whole and its second best in part; head 1 holds nothing
-    held = torch.full((H, 12), -1, dtype=torch.int64)
-    held[0, :page] = lo + best[0, 0] * page + torch.arange(page)
-    held[0, page:page + 2] = lo + best[0, 1] * page + torch.arange(2)
-    got = topup_positions(q, keys, held, lo, hi, pages, page)
-    assert got.shape == (H, pages * page)
+    held = torch.full((1, H, 12), -1, dtype=torch.int32)
+    held[0, 0, :page] = lo + best[0, 0] * page + torch.arange(page)
+    held[0, 0, page:page + 2] = lo + best[0, 1] * page + torch.arange(2)
+    rtt, rpi = torch.arange(n, dtype=torch.int32)[None], torch.zeros(1, dtype=torch.long)
+
+    def top(win_start, held):
+        return choose_topup(q.view(1, H * G, D), keys, rtt, rpi, torch.tensor([n]), torch.tensor([win_start]),
+                            held, lo, page, pages, n // page)[0]
+    got = top(hi, held)
+    assert got.shape == (H, pages) and got.dtype == torch.int32
     for h, want in ((0, best[0, 2:5]), (1, best[1, :3])):
-        assert set(((got[h] - lo) // page).tolist()) == set(want.tolist())
-    assert topup_positions(q, keys, held, lo, lo + page - 1, pages, page).shape == (H, 0)  # no whole page
-    every = lo + torch.arange(12 * page).expand(H, -1)   # every page held: none left, all -1
-    assert (topup_positions(q, keys, every, lo, hi, pages, page) == -1).all()
+        assert set(got[h].tolist()) == set(want.tolist())
+    assert (top(lo + page - 1, held) == -1).all()  # no whole page
+    every = (lo + torch.arange(12 * page, dtype=torch.int32)).expand(1, H, -1).contiguous()
+    assert (top(hi, every) == -1).all()  # every page held: none left
 
 
 def test_topup_every_n_layers_reuses_the_groups_pages():
     """--sfi-topup-every 2 over sparse layers 1..5 (layer 0 dense): pages chosen at 1, 3 and
-    5, reused at 2 and 4 within a step; a new step chooses again."""
-    from sfi_sglang.method.baselines import HostPath, topup_positions
+    5 with the layer's own query; at 2 and 4 the group's, less a page the layer holds; a new
+    step chooses again."""
+    from sfi_sglang.method.baselines import HostPath
+    from sfi_sglang.method.topup import layer_pages
 
     Hkv, G, D = 2, 2, 16
     cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=(0,), topup_pages=2, page_size=8,
@@ -235,45 +242,55 @@ def test_topup_every_n_layers_reuses_the_groups_pages():
     for lid in range(1, 6):
         mem.store(lid, st["rpi"], pos, cnt, ws, st["k"], st["v"], st["rtt"])
     host = HostPath(mem, None, None, None, None)
-    slot, tokens = int(st["rpi"][0]), st["rtt"][int(st["rpi"][0])]
-    qs = torch.randn(6, Hkv * G, D, generator=gen)
-    got = {lid: host.topup(lid, slot, 5, qs[lid], st["k"], tokens, cfg) for lid in range(1, 6)}
-    held, hi = mem.held(1, slot)
-    for lid in (1, 3, 5):  # chosen with the layer's own query
-        keys = st["k"][tokens[:hi].long()]
-        want = topup_positions(qs[lid].view(Hkv, G, D), keys, held, 4, hi, 2, 8)
-        assert torch.equal(got[lid][0], want)
-    assert got[2] is got[1] and got[4] is got[3]
-    assert host.topup(2, slot, 6, qs[2], st["k"], tokens, cfg) is not got[1]  # a new step
+    qs = torch.randn(6, 1, Hkv * G, D, generator=gen)
+    args = (st["k"], st["rtt"], st["rpi"], st["seq_lens"])
+    first = host.topup(1, int(st["rpi"][0]), 5, qs[1], *args, cfg)
+    # layer 2 holds the group's first page of head 0: it reads the group's pages less that one
+    page0 = int(first[0, 0, 0])
+    pos2 = pos.clone()
+    pos2[0, 0, 0] = 4 + page0 * 8
+    pos2[0, 0] = pos2[0, 0].sort().values
+    mem.store(2, st["rpi"], pos2, cnt, ws, st["k"], st["v"], st["rtt"])
+    got = {lid: host.topup(lid, int(st["rpi"][0]), 5, qs[lid], *args, cfg) for lid in range(2, 6)}
+    for lid in (3, 5):
+        assert torch.equal(got[lid], layer_pages(mem, lid, cfg, qs[lid], *args))
+    assert torch.equal(got[4], layer_pages(mem, 4, cfg, qs[4], *args, group=got[3]))
+    assert int(got[2][0, 0, 0]) == -1 and torch.equal(got[2][0, :, 1:], first[0, :, 1:])
+    assert torch.equal(got[2][0, 1], first[0, 1])
+    again = host.topup(2, int(st["rpi"][0]), 6, qs[2], *args, cfg)  # a new step: layer 2 chooses
+    assert torch.equal(again, layer_pages(mem, 2, cfg, qs[2], *args))
 
 
 @pytest.mark.parametrize("fast_path", ["reference", "triton", "triton-pool"])
-def test_reference_fast_step_with_extra_positions(fast_path):
-    """attend_fast(extra=...) == float64 attention over the memory's positions and the extra
-    ones (deduplicated; -1 and positions past a row's context read nothing), and
-    attend_fast(reference=True) over the memory's alone, on every fast path's memory and
-    with holes in the selection (a request's own whole pages on a server without them): a
-    GPU server's eager host path reads the torch reference for what its kernels do not read."""
+def test_fast_step_with_topup_pages(fast_path):
+    """attend_fast(extra=pages) == float64 attention over the memory's positions and the
+    pages' (disjoint from them; -1 reads nothing) on every fast path's memory; with holes
+    in the selection (a request's own whole pages on a server without them),
+    reference=True reads the memory's positions alone: a GPU server's eager host path
+    reads the torch reference for what its kernels do not read."""
     Hkv, G, D = 2, 2, 16
     packed = fast_path != "reference"
-    cfg = SFIConfig(sinks=4, window=8, budget=12, dense_layers=(), fast_path="triton" if not packed else fast_path)
+    cfg = SFIConfig(sinks=4, window=8, budget=12, dense_layers=(), page_size=4,
+                    fast_path="triton" if not packed else fast_path)
     n_sel, t = [80, 60], [83, 61]
     st, gen = make_pool(t, Hkv, G, D, seed=5)
     mem = SparseMemory(2, [0, 1], 8, Hkv, D, cfg, DEV, torch.float32, packed=packed)
-    pos, cnt, ws = selection(cfg, n_sel, Hkv, gen, k=10)
-    pos[:, :, 2:4] = -1                     # holes inside the count, as a page selection leaves
-    mem.store(1, st["rpi"], pos[..., :10], cnt, ws, st["k"], st["v"], st["rtt"])
-    extra = torch.full((2, Hkv, 6), -1, dtype=torch.int64)
-    extra[:, :, :3] = torch.tensor([20, 21, 22])
-    extra[0, 0, 3] = pos[0, 0, 0]           # already held: read once
-    extra[1, 1, 3] = 70                     # past row 1's context (61): not read
-    args = (1, st["q"], st["k"], st["v"], st["rtt"], st["rpi"], st["seq_lens"], 0.25)
-    for out, ext in ((mem.attend_fast(*args, extra=extra.to(DEV)), extra),
-                     (mem.attend_fast(*args, reference=True), torch.full_like(extra, -1))):
+    pos = torch.full((2, Hkv, 10), -1, dtype=torch.int64)
+    pos[:, :, :10] = 30 + torch.arange(10)  # the selection holds [30, 40)
+    cnt, ws = torch.tensor([10, 10]), torch.tensor([n - 8 for n in n_sel])
+    mem.store(0, st["rpi"], pos.to(DEV), cnt, ws, st["k"], st["v"], st["rtt"])
+    holes = pos.clone()
+    holes[:, :, 2:4] = -1                   # holes inside the count, as a page selection leaves
+    mem.store(1, st["rpi"], holes.to(DEV), cnt, ws, st["k"], st["v"], st["rtt"])
+    extra = torch.tensor([[[0, 2, -1], [1, -1, 3]], [[2, 3, 1], [-1, -1, -1]]], dtype=torch.int32)
+    for lid, kw in ((0, {"extra": extra.to(DEV)}), (1, {"extra": extra.to(DEV), "reference": True}),
+                    (1, {"reference": True})):
+        out = mem.attend_fast(lid, st["q"], st["k"], st["v"], st["rtt"], st["rpi"], st["seq_lens"], 0.25, **kw)
         for b, slot in enumerate(st["rpi"].tolist()):
-            base = fast_positions(mem, 1, slot, t[b])
+            base = fast_positions(mem, lid, slot, t[b])
             for h in range(Hkv):
-                p = sorted({x for x in base[h].tolist() if x >= 0} | {x for x in ext[b, h].tolist() if 0 <= x < t[b]})
+                pages = [x for x in extra[b, h].tolist() if x >= 0] if "extra" in kw else []
+                p = sorted({x for x in base[h].tolist() if x >= 0} | {4 + 4 * g + i for g in pages for i in range(4)})
                 slots = st["rtt"][slot][p].long()
                 keys, vals = st["k"][slots, h].double(), st["v"][slots, h].double()
                 qh = st["q"][b].double().view(Hkv, G, D)[h]

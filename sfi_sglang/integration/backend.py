@@ -46,6 +46,7 @@ from sfi_sglang.integration import graph_if, state
 from sfi_sglang.integration.slots import Slots
 from sfi_sglang.integration.warmup import warm_up
 from sfi_sglang.method.baselines import HostPath
+from sfi_sglang.method.topup import StepTopUp
 from sfi_sglang.method.boundary import AdaptiveMonitor, TriggerPolicy, extra_boundary_rows
 from sfi_sglang.method.config import SFIConfigError, server_config
 from sfi_sglang.method.memory import NO_WINDOW, SparseMemory
@@ -114,6 +115,7 @@ class SFIAttnBackend(AttentionBackend):
         self.monitor = AdaptiveMonitor(self.policy, self.sparse_ids, max_slots, self.num_q_heads,
                                        k0.device, on=cfg.refresh == "adaptive")
         self.host = HostPath(self.memory, self.policy, self.step, self.selection, self.monitor)
+        self.topup = StepTopUp(self.memory, cfg) if cfg.topup_pages and cfg.method == "sfi" else None
         self.slots = Slots(cfg, self.memory, self.step, self.policy, self._kv, r2t, self.num_layers)
         self.scores = ScoreBuffers(k0.device, self.memory.packed,
                                    score_rows(max_slots, cfg.max_slow_rows, rows),
@@ -360,9 +362,10 @@ class SFIAttnBackend(AttentionBackend):
         if meta.host_only is not None:  # length 0: the reference skips them
             fast_lens = torch.where(meta.host_only[lid], torch.zeros_like(seq_lens), seq_lens)
             need = need & ~meta.host_only[lid]
+        extra = None if self.topup is None else self.topup.pages(lid, q, kc, r2t, slots, fast_lens)
         o = mem.attend_fast(lid, q, kc, vc, r2t, slots, fast_lens, scale, max_len=meta.ref_len,
                             fast_plan=meta.fast_plan, win_start=meta.win_start,
-                            lse_out=self.monitor.out(lid, q.shape[0]))
+                            lse_out=self.monitor.out(lid, q.shape[0]), extra=extra)
 
         def dense_pass():
             # rows that are not slow or dense read nothing (length 0); their output stays

@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sfi_sglang.kernels.reference import extra_positions, page_bounds
+from sfi_sglang.method.topup import is_group_start, layer_pages
+
 SNAPKV_POOL = 7  # SnapKV's 1-D max-pooling kernel over positions
 
 
@@ -35,23 +38,6 @@ def snapkv_select(logits: torch.Tensor, lo: int, hi: int, k: int) -> torch.Tenso
     return top.sort(dim=-1).values
 
 
-def page_bounds(q: torch.Tensor, keys: torch.Tensor, lo: int, num_pages: int, page: int) -> torch.Tensor:
-    """Quest's score [H, num_pages] of the pages of `page` tokens from lo: per KV head, the
-    max over the group's query heads q [H, G, D] of sum_d max(q_d * kmin_d, q_d * kmax_d),
-    an upper bound of q.k on the page (keys [n, H, D], the request's)."""
-    blk = keys[lo: lo + num_pages * page].float().reshape(num_pages, page, *keys.shape[1:])
-    kmin, kmax = blk.amin(dim=1), blk.amax(dim=1)  # [P, H, D]
-    qf = q.float()[:, :, None, :]  # [H, G, 1, D]
-    bound = torch.maximum(qf * kmin.transpose(0, 1)[:, None], qf * kmax.transpose(0, 1)[:, None])
-    return bound.sum(-1).amax(dim=1)
-
-
-def page_positions(pages: torch.Tensor, lo: int, page: int) -> torch.Tensor:
-    """Positions [H, pages * page] of page indices [H, pages] counted from lo."""
-    pos = lo + pages[:, :, None] * page + torch.arange(page, device=pages.device)
-    return pos.reshape(pages.shape[0], -1)
-
-
 def quest_positions(q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int, k: int,
                     page: int) -> torch.Tensor:
     """Quest-style query-aware page selection for one decode step.
@@ -63,30 +49,8 @@ def quest_positions(q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int, k: in
     take = min(k // page, num_pages)
     if take <= 0:
         return torch.empty(q.shape[0], 0, dtype=torch.int64, device=q.device)
-    score = page_bounds(q, keys, lo, num_pages, page)
-    return page_positions(score.topk(take, dim=-1).indices.sort(dim=-1).values, lo, page)
-
-
-def topup_positions(q: torch.Tensor, keys: torch.Tensor, held: torch.Tensor, lo: int, hi: int,
-                    pages: int, page: int) -> torch.Tensor:
-    """SFI's per-step top-up: the `pages` whole pages of [lo, hi) (hi: the window's start)
-    with the highest page_bounds among those holding none of the held selection held [H, K]
-    (-1 padded), so every position read is one the memory lacks (a page partly held is
-    where the Selector already looked). Returns positions [H, <= pages * page], -1 padded
-    where fewer pages qualify."""
-    num_pages = (hi - lo) // page
-    take = min(pages, num_pages)
-    if take <= 0:
-        return torch.empty(q.shape[0], 0, dtype=torch.int64, device=q.device)
-    score = page_bounds(q, keys, lo, num_pages, page)
-    held = held.long().to(score.device)
-    inside = (held >= lo) & (held < lo + num_pages * page)
-    covered = torch.zeros(score.shape[0], num_pages + 1, device=score.device)
-    covered.scatter_add_(1, torch.where(inside, (held - lo) // page, num_pages), inside.float())
-    score = score.masked_fill(covered[:, :num_pages] > 0, float("-inf"))
-    top = score.topk(take, dim=-1)
-    pos = page_positions(top.indices, lo, page)
-    return pos.masked_fill(top.values.isinf().repeat_interleave(page, dim=1), -1)
+    score = page_bounds(q.float(), keys, lo, num_pages, page)
+    return extra_positions(score.topk(take, dim=-1).indices.sort(dim=-1).values, lo, page)
 
 
 def baseline_positions(cfg, n: int, q, k_cache, tokens) -> torch.Tensor:
@@ -131,10 +95,11 @@ class HostPath:
                 continue
             sl = forward_batch.seq_lens[i:i + 1]
             if not self.is_slow(slot, req):
-                extra = (self.topup(lid, slot, req.host_step, q[i], kc, r2t[slot], cfg)
+                extra = (self.topup(lid, slot, req.host_step, q[i:i + 1], kc, r2t, rpi, sl, cfg)
                          if cfg.topup_pages else None)
                 o[i] = mem.attend_fast(lid, q[i:i + 1], kc, vc, r2t, rpi, sl, scale,
                                        lse_out=self.monitor.out(lid, i + 1, i), extra=extra,
+                                       extra_page=cfg.page_size,
                                        reference=cfg.selection_page != mem.cfg.selection_page)[0]
                 continue
             # a slow step's output is its dense pass (the device pass skips host rows on the
@@ -144,21 +109,16 @@ class HostPath:
             self.selection.layer(lid, rpi, torch.ones(1, dtype=torch.bool, device=scores.device), scores,
                                  sl.to(torch.int64), cfg=cfg)
 
-    def topup(self, lid: int, slot: int, step: int, q, k_cache, tokens, cfg) -> torch.Tensor:
-        """The top-up pages [1, H_kv, E] of slot's fast step `step` at layer lid
-        (topup_positions between the sinks and its window's start), chosen at the first
-        sparse layer of each group of cfg.topup_every and reused by the group's others."""
-        sparse = cfg.sparse_layers(self.memory.num_layers)
+    def topup(self, lid: int, slot: int, step: int, q, k_cache, req_to_token, rpi, seq_lens, cfg) -> torch.Tensor:
+        """The top-up pages [1, H_kv, P] of slot's fast step `step` at layer lid
+        (topup.layer_pages with the request's config; a group's pages kept per slot)."""
         last = self._topup.get(slot)
-        if sparse.index(lid) % cfg.topup_every and last is not None and last[0] == step:
-            return last[1]  # the group's pages
-        hkv = k_cache.shape[1]
-        held, hi = self.memory.held(lid, slot)
-        keys = k_cache[tokens[:hi].long()]
-        pos = topup_positions(q.reshape(hkv, -1, q.shape[-1]), keys, held, cfg.sinks, hi,
-                              cfg.topup_pages, cfg.page_size)[None]
-        self._topup[slot] = (step, pos)
-        return pos
+        group = (last[1] if last is not None and last[0] == step and not is_group_start(self.memory, lid, cfg)
+                 else None)
+        pages = layer_pages(self.memory, lid, cfg, q, k_cache, req_to_token, rpi, seq_lens, group)
+        if group is None:
+            self._topup[slot] = (step, pages)
+        return pages
 
     def is_slow(self, slot: int, req) -> bool:
         """Whether a host-path request's step is slow (decided once per step, at its first

@@ -37,6 +37,7 @@ from typing import Iterable, Optional
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
+from sfi_sglang.kernels.reference import extra_positions
 from sfi_sglang.method.config import KERNEL_FAST_PATHS, SFIConfigError
 from sfi_sglang.method.rows import MemoryRows
 from sfi_sglang.method.selector import KeyNorms
@@ -322,7 +323,8 @@ class SparseMemory:
                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                     out: Optional[torch.Tensor] = None, fast_plan=None, max_len: Optional[int] = None,
                     win_start: Optional[torch.Tensor] = None, lse_out: Optional[torch.Tensor] = None,
-                    extra: Optional[torch.Tensor] = None, reference: bool = False, **kernel_kw) -> torch.Tensor:
+                    extra: Optional[torch.Tensor] = None, extra_page: Optional[int] = None,
+                    reference: bool = False, **kernel_kw) -> torch.Tensor:
         """Fast-step attention q [b, H_q, D] -> [b, H_q, D] over sinks + selected + window.
         Triton: one kernels.fast_decode launch (no host sync); FlashInfer: `fast_plan` from
         plan_fast for these rows; else the torch reference over the first max_len
@@ -330,13 +332,15 @@ class SparseMemory:
         window starts of these rows, when the caller has them (step_window_start).
         lse_out [b, H_q] float32: also each head's log-sum-exp over the memory (Triton and
         the torch reference; config.py refuses the adaptive trigger on FlashInfer).
-        extra [b, H_kv, E]: positions read besides the memory (-1: none), the top-up's pages.
-        With extra, or reference=True (a request's own whole pages, whose holes the kernels
-        skip only on a server launched with them), the torch reference on every fast path:
-        the host path's rows, in eager steps."""
+        extra [b, H_kv, P] int32: the top-up's pages (method.topup; of extra_page tokens,
+        default cfg.page_size, from the sinks; -1: none). reference=True (a request's own
+        whole pages) or extra on FlashInfer: the torch reference (host rows, eager steps)."""
         li = self.layer_index[layer_id]
         rpi = req_pool_indices.to(self.device).long()
-        kernel = extra is None and not reference
+        page = extra_page or self.cfg.page_size
+        kernel = not reference and (extra is None or self.kernel_fast_path)
+        if kernel and extra is not None:
+            kernel_kw.update(extra_pages=extra.to(torch.int32).contiguous(), extra_base=self.sinks, extra_page=page)
         if kernel and self.fast_path == "flashinfer":
             fl = fast_plan if fast_plan is not None else self.fast_lists(rpi, seq_lens)
             return self._fi.run(q, k_cache, v_cache, req_to_token, rpi, fl.lengths, fl.start, seq_lens,
@@ -358,7 +362,8 @@ class SparseMemory:
         allowed = self._fast_mask(li, rpi, seq_lens, n)
         if extra is not None:
             inside = torch.arange(n, device=self.device) < seq_lens.to(self.device)[:, None, None]
-            allowed = allowed | (self._position_mask(extra, n) & inside)
+            pos = extra_positions(extra, self.sinks, page)
+            allowed = allowed | (self._position_mask(pos, n) & inside)
         return self._attend_masked_ref(q, k_cache, v_cache, req_to_token, rpi, allowed, sm_scale, out,
                                        lse_out=lse_out)
 

@@ -124,8 +124,9 @@ def on_device_path(cfg: SFIConfig, server: SFIConfig) -> bool:
 
 def reference_only(cfg: SFIConfig) -> list[str]:
     """The options of cfg that only the torch reference runs (baselines.HostPath, eager
-    decode steps, on the CPU engine and on a GPU), as flags: the top-up."""
-    return [cli_name("topup_pages")] if cfg.topup_pages else []
+    decode steps), as flags: the top-up on the FlashInfer fast path (the Triton paths read
+    its pages in their kernel, sfi_sglang.method.topup)."""
+    return [cli_name("topup_pages")] if cfg.topup_pages and cfg.fast_path == "flashinfer" else []
 
 
 def _json_type(value) -> str:

@@ -1,0 +1,168 @@
+"""SFI's per-step top-up on the device: which pages a fast step reads besides its memory.
+
+Per (batch row, KV head), the pages of PAGE tokens inside [lo, hi) (lo: the sinks; hi: the
+row's window start, at most its length) are scored by Quest's bound from the page's
+per-channel min/max keys, read in place through req_to_token,
+
+    bound(page) = max over the group's query heads g of sum_d max(q_gd * kmin_d, q_gd * kmax_d),
+
+pages holding a held position (the layer's selection, -1 padded) score -inf, and the top
+`pages` are kept: page indices counted from lo, -1 where fewer qualify. One launch scores
+every page (grid: rows x KV heads x chunks of pages, a fixed grid for a captured batch
+size: programs past a row's pages write -inf), then torch.topk; no host sync, so it runs
+inside SGLang's decode CUDA graphs. kernels.fast_decode reads the chosen pages as its
+`extra_pages`.
+
+`drop_held` is the reuse across layers (--sfi-topup-every): the pages chosen at a group's
+first layer, less those holding a position the current layer holds (the fast kernel reads
+a position once).
+
+References: reference.ref_page_scores, reference.ref_drop_held (also the CPU path).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import _memory_row, next_pow2, use_triton
+
+BLOCK_P_DEFAULT = 4  # pages per tile: BLOCK_P x PAGE x D keys in registers
+PAGES_PER_PROGRAM = 64
+
+
+@triton.jit
+def _held_pages(Held, mrow, h, stride_hr, stride_hh, lo, PAGE: tl.constexpr, K_HELD: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """The page (from lo) of each held position of (memory row, KV head), -1 for none."""
+    offs_k = tl.arange(0, BLOCK_K)
+    held = tl.load(Held + mrow * stride_hr + h * stride_hh + offs_k, mask=offs_k < K_HELD, other=-1)
+    return tl.where(held >= lo, (held - lo) // PAGE, -1)
+
+
+@triton.jit
+def _page_scores_kernel(
+    Q, K_cache, Req_to_token, Req_pool_indices, Seq_lens, Win_start, Held, Row_of, Scores,
+    stride_qb, stride_qh, stride_kcs, stride_kch, stride_rt, stride_hr, stride_hh, stride_sb, stride_sh,
+    lo, max_pages,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr,
+    PER_PROGRAM: tl.constexpr, K_HELD: tl.constexpr, BLOCK_K: tl.constexpr, ROW_OF: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    c = tl.program_id(2)
+    pool = tl.load(Req_pool_indices + b).to(tl.int64)
+    mrow = _memory_row(Row_of, pool, ROW_OF)
+    hi = tl.minimum(tl.load(Win_start + b).to(tl.int64), tl.load(Seq_lens + b).to(tl.int64))
+    num_pages = tl.minimum(tl.maximum(hi - lo, 0) // PAGE, max_pages)
+    hpage = _held_pages(Held, mrow, h, stride_hr, stride_hh, lo, PAGE, K_HELD, BLOCK_K)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    offs_t = tl.arange(0, PAGE)
+    rt_row = Req_to_token + pool * stride_rt
+    out = Scores + b * stride_sb + h * stride_sh
+    for p0 in range(c * PER_PROGRAM, (c + 1) * PER_PROGRAM, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        valid = offs_p < num_pages
+        if p0 < num_pages:
+            pos = lo + offs_p[:, None] * PAGE + offs_t[None, :]
+            slot = tl.load(rt_row + pos, mask=valid[:, None], other=0).to(tl.int64)
+            k = tl.load(K_cache + slot[:, :, None] * stride_kcs + h * stride_kch + offs_d[None, None, :],
+                        mask=valid[:, None, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
+            kmin = tl.min(k, axis=1)
+            kmax = tl.max(k, axis=1)
+            best = tl.full([BLOCK_P], float("-inf"), tl.float32)
+            for g in tl.static_range(G):
+                qg = tl.load(Q + b * stride_qb + (h * G + g) * stride_qh + offs_d, mask=mask_d,
+                             other=0.0).to(tl.float32)
+                bound = tl.sum(tl.maximum(qg[None, :] * kmin, qg[None, :] * kmax), axis=1)
+                best = tl.maximum(best, bound)
+            held = tl.max((hpage[None, :] == offs_p[:, None]).to(tl.int32), axis=1) > 0
+            score = tl.where(valid & ~held, best, float("-inf"))
+        else:
+            score = tl.full([BLOCK_P], float("-inf"), tl.float32)
+        tl.store(out + offs_p, score, mask=offs_p < max_pages)
+
+
+@triton.jit
+def _drop_held_kernel(Pages, Out, Req_pool_indices, Held, Row_of, stride_pb, stride_ph, stride_ob, stride_oh,
+                      stride_hr, stride_hh, lo, P: tl.constexpr, BLOCK_PP: tl.constexpr, PAGE: tl.constexpr,
+                      K_HELD: tl.constexpr, BLOCK_K: tl.constexpr, ROW_OF: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    pool = tl.load(Req_pool_indices + b).to(tl.int64)
+    mrow = _memory_row(Row_of, pool, ROW_OF)
+    hpage = _held_pages(Held, mrow, h, stride_hr, stride_hh, lo, PAGE, K_HELD, BLOCK_K)
+    offs = tl.arange(0, BLOCK_PP)
+    pg = tl.load(Pages + b * stride_pb + h * stride_ph + offs, mask=offs < P, other=-1)
+    held = tl.max((hpage[None, :] == pg[:, None]).to(tl.int32), axis=1) > 0
+    tl.store(Out + b * stride_ob + h * stride_oh + offs, tl.where(held, -1, pg).to(tl.int32), mask=offs < P)
+
+
+def page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held, lo: int, page: int,
+                max_pages: int, row_of=None, out=None):
+    """Scores [B, H_kv, max_pages] float32 of the pages of `page` tokens from lo (see the
+    module doc): -inf past a row's whole pages in [lo, min(win_start, seq_len)) and on
+    pages holding a position of held [rows, H_kv, K] (-1 padded; by memory row, row_of
+    [slots] int32 when given, else by slot). q [B, H_q, D]; win_start [B] per batch row."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    if out is None:
+        out = torch.empty((B, Hkv, max_pages), dtype=torch.float32, device=q.device)
+    if B == 0 or max_pages == 0:
+        return out
+    if not use_triton(q):
+        from .reference import ref_page_scores
+
+        return ref_page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held, lo,
+                               page, max_pages, row_of=row_of, out=out, compute_dtype=torch.float32)
+    assert page & (page - 1) == 0, f"the top-up's page ({page}) must be a power of two"
+    assert q.stride(2) == 1 and k_cache.stride(2) == 1 and held.stride(2) == 1 and out.stride(2) == 1
+    K = held.shape[2]
+    grid = (B, Hkv, triton.cdiv(max_pages, PAGES_PER_PROGRAM))
+    _page_scores_kernel[grid](
+        q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held,
+        row_of if row_of is not None else req_pool_indices, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
+        held.stride(0), held.stride(1), out.stride(0), out.stride(1), int(lo), int(max_pages),
+        G=Hq // Hkv, D=D, BLOCK_D=max(16, next_pow2(D)), PAGE=int(page), BLOCK_P=BLOCK_P_DEFAULT,
+        PER_PROGRAM=PAGES_PER_PROGRAM, K_HELD=K, BLOCK_K=max(16, next_pow2(K)), ROW_OF=row_of is not None,
+        num_warps=4,
+    )
+    return out
+
+
+def choose_pages(scores: torch.Tensor, pages: int) -> torch.Tensor:
+    """The top `pages` of scores [B, H_kv, P] per (row, KV head): page indices [B, H_kv,
+    pages] int32, -1 where the score is -inf (fewer pages qualify)."""
+    take = min(int(pages), scores.shape[-1])
+    top = scores.topk(take, dim=-1)
+    return torch.where(top.values == float("-inf"), -1, top.indices).to(torch.int32)
+
+
+def choose_topup(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held, lo: int, page: int,
+                pages: int, max_pages: int, row_of=None):
+    """The top-up of one fast step at one layer: page indices [B, H_kv, pages] int32 from
+    lo (-1: none); page_scores then choose_pages."""
+    return choose_pages(page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held, lo,
+                                    page, max_pages, row_of=row_of), pages)
+
+
+def drop_held(pages, req_pool_indices, held, lo: int, page: int, row_of=None):
+    """pages [B, H_kv, P] int32 (a group's top-up) with -1 for each page holding a position
+    of held [rows, H_kv, K] (this layer's selection): a new tensor."""
+    B, H, P = pages.shape
+    out = torch.empty_like(pages)
+    if B == 0 or P == 0:
+        return out
+    if not use_triton(pages):
+        from .reference import ref_drop_held
+
+        return ref_drop_held(pages, req_pool_indices, held, lo, page, row_of=row_of, out=out)
+    K = held.shape[2]
+    _drop_held_kernel[(B, H)](
+        pages, out, req_pool_indices, held, row_of if row_of is not None else req_pool_indices,
+        pages.stride(0), pages.stride(1), out.stride(0), out.stride(1), held.stride(0), held.stride(1), int(lo),
+        P=P, BLOCK_PP=max(16, next_pow2(P)), PAGE=int(page), K_HELD=K, BLOCK_K=max(16, next_pow2(K)),
+        ROW_OF=row_of is not None, num_warps=4,
+    )
+    return out
