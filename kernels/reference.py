@@ -131,8 +131,8 @@ def ref_page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_st
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     res = torch.full((B, Hkv, max_pages), float("-inf"), dtype=compute_dtype, device=q.device)
-    for b, pool in enumerate(req_pool_indices.tolist()):
-        hi = min(int(win_start[b]), int(seq_lens[b]))
+    for b in range(B):  # int(), not .tolist(): the CPU engine's decode layers refuse host reads
+        pool, hi = int(req_pool_indices[b]), min(int(win_start[b]), int(seq_lens[b]))
         n = min(max(hi - lo, 0) // page, max_pages)
         if n == 0:
             continue
@@ -148,8 +148,8 @@ def ref_drop_held(pages, req_pool_indices, held, lo, page, row_of=None, out=None
     if row_of is not None:
         held = held[row_of.long()]
     res = pages.clone()
-    for b, pool in enumerate(req_pool_indices.tolist()):
-        h = held[pool].long()
+    for b in range(pages.shape[0]):
+        h = held[int(req_pool_indices[b])].long()
         hp = torch.where(h >= lo, (h - lo) // page, -2)  # [H, K]
         hit = (pages[b].long()[:, :, None] == hp[:, None, :]).any(-1) & (pages[b] >= 0)
         res[b] = torch.where(hit, -1, pages[b])

@@ -75,7 +75,8 @@ def engine(dense, trace_file):
     # there crashes the scheduler, and the tests below fail
     os.environ.update({"SFI_SGLANG_PLUGIN_TRACE": str(trace_file), SYNC_GUARD_ENV: "1"})
     try:
-        engine = start_engine(**SFI, sfi_memory_rows=0)  # a memory per slot: short prompts run SFI
+        # a memory per slot: short prompts run SFI; the top-up on the device path, under the guard
+        engine = start_engine(**SFI, sfi_memory_rows=0, sfi_topup_pages=2)
     finally:
         del os.environ["SFI_SGLANG_PLUGIN_TRACE"], os.environ[SYNC_GUARD_ENV]
     yield engine

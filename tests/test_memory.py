@@ -229,9 +229,9 @@ def test_topup_pages_are_the_best_pages_not_held():
 def test_topup_every_n_layers_reuses_the_groups_pages():
     """--sfi-topup-every 2 over sparse layers 1..5 (layer 0 dense): pages chosen at 1, 3 and
     5 with the layer's own query; at 2 and 4 the group's, less a page the layer holds; a new
-    step chooses again."""
+    step chooses again; the device step's StepTopUp reads what the host path reads."""
     from sfi_sglang.method.baselines import HostPath
-    from sfi_sglang.method.topup import layer_pages
+    from sfi_sglang.method.topup import StepTopUp, layer_pages
 
     Hkv, G, D = 2, 2, 16
     cfg = SFIConfig(sinks=4, window=8, budget=16, dense_layers=(0,), topup_pages=2, page_size=8,
@@ -259,6 +259,10 @@ def test_topup_every_n_layers_reuses_the_groups_pages():
     assert torch.equal(got[2][0, 1], first[0, 1])
     again = host.topup(2, int(st["rpi"][0]), 6, qs[2], *args, cfg)  # a new step: layer 2 chooses
     assert torch.equal(again, layer_pages(mem, 2, cfg, qs[2], *args))
+    # the device step's (the server's config, every row of the batch) reads the same pages
+    step = StepTopUp(mem, cfg)
+    for lid, want in {1: first, **got}.items():
+        assert torch.equal(step.pages(lid, qs[lid], *args), want)
 
 
 @pytest.mark.parametrize("fast_path", ["reference", "triton", "triton-pool"])

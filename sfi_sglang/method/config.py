@@ -98,10 +98,10 @@ class SFIConfig:
     # the per-step top-up of SFI's fast steps: also attend to the topup_pages pages of
     # page_size tokens (inside [sinks, window start), holding no held position) with the
     # highest query-aware bound, Quest's, from the page's per-channel min/max keys; 0 = off.
-    # The torch reference only (eager decode steps): docs/method.md
+    # On the Triton fast paths in the decode graphs (sfi_sglang.method.topup): docs/method.md
     topup_pages: int = 0
     # the top-up's pages are chosen at every topup_every-th sparse layer (the first of each
-    # group) and reused by the group's other layers (positions are positions): 1 = each layer
+    # group) and reused by the group's other layers, less the pages a layer holds: 1 = each layer
     topup_every: int = 1
     # the Selector keeps whole pages of this many tokens (aligned to position 0, each scored
     # by the log-sum-exp of its positions' scores; K // selection_page pages), as a fast
