@@ -1,7 +1,7 @@
 """The per-step top-up's kernels on one GPU: checks against float64, then the price per layer.
 
 Run on the device machine from the repo root (torch and Triton only, no SGLang):
-    PYTHONPATH=$PWD python3 -P bench/topup_h200.py --out $OUT
+    source bench/layout.sh; sfi_site /tmp/sfi-site; PYTHONPATH=/tmp/sfi-site python3 -P bench/topup_h200.py --out $OUT
 
 Qwen3-4B's attention shape (32 query heads, 8 KV heads, head dim 128, bf16). A request holds
 sinks 4, a selection of 1536 positions in [4, window start) (the top-up's engines' budget:
@@ -30,7 +30,7 @@ if not torch.cuda.is_available():  # a smoke run here: the kernels under Triton'
     os.environ["TRITON_INTERPRET"] = "1"
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32  # the interpreter's bf16 dot is not the GPU's
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))  # after a laid-out site (bench/layout.sh)
 from sfi_sglang import kernels as K  # noqa: E402
 
 HQ, HKV, D, S, W, PAGE, PAGES = 32, 8, 128, 4, 256, 16, 32
