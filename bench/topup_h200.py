@@ -12,7 +12,7 @@ bench/speed_h200.py's -topup) and a window of 256; the top-up reads 32 pages of 
   2. timing at 32K and 128K, batch 1 and 8, CUDA events, median of 50 replays of a CUDA
      graph of 8 layer calls, each layer its own K/V cache (so no layer finds another's
      keys in L2): fast_decode over 2048 held (what `sfi` reads), the top-up's choice
-     (page_scores + topk), drop_held, fast_decode over 1536 held + the 32 pages.
+     (page_scores + topk; page_scores alone), drop_held, fast_decode over 1536 held + the 32 pages.
 Writes topup_h200.json.
 """
 
@@ -147,6 +147,10 @@ def timing(n: int, B: int, layers: int = 8) -> dict:
             chosen[i] = K.choose_topup(st["q"], kc, st["r2t"], st["rpi"], st["seq_lens"], st["ws"], sel, S, PAGE,
                                        PAGES, maxp)
 
+    def scores():
+        for kc, _ in st["caches"]:
+            K.page_scores(st["q"], kc, st["r2t"], st["rpi"], st["seq_lens"], st["ws"], sel, S, PAGE, maxp)
+
     choose()
     fixed = [c.clone() for c in chosen]
 
@@ -157,11 +161,13 @@ def timing(n: int, B: int, layers: int = 8) -> dict:
     res = {"context": n, "batch": B, "layers_per_graph": layers,
            "fast_2048_us": graph_time(fast(sel_full, plen_full)) / layers,
            "choose_us": graph_time(choose) / layers,
+           "scores_us": graph_time(scores) / layers,
            "drop_held_us": graph_time(drop) / layers,
            "fast_1536_plus_pages_us": graph_time(fast(sel, plen, fixed)) / layers}
     # bytes: K of [S, n - W) per (row, KV head) for the choice; (S + 2048 + W) K/V rows for the fast step
     res["choose_bytes"] = B * HKV * (n - W - S) * D * 2
     res["choose_tb_s"] = res["choose_bytes"] / res["choose_us"] / 1e6
+    res["scores_tb_s"] = res["choose_bytes"] / res["scores_us"] / 1e6
     res["fast_bytes"] = B * HKV * (S + full + W) * D * 2 * 2
     res["topup_over_fast"] = (res["choose_us"] + res["fast_1536_plus_pages_us"]) / res["fast_2048_us"] - 1
     return res

@@ -8,7 +8,7 @@ per-channel min/max keys, read in place through req_to_token,
 
 pages holding a held position (the layer's selection, -1 padded) score -inf, and the top
 `pages` are kept: page indices counted from lo, -1 where fewer qualify. One launch scores
-every page (grid: rows x KV heads x chunks of pages, a fixed grid for a captured batch
+every page (grid: rows x KV heads x tiles of 8 pages, a fixed grid for a captured batch
 size: programs past a row's pages write -inf), then torch.topk; no host sync, so it runs
 inside SGLang's decode CUDA graphs. kernels.fast_decode reads the chosen pages as its
 `extra_pages`.
@@ -26,8 +26,7 @@ import triton.language as tl
 
 from ._common import _memory_row, next_pow2, use_triton
 
-BLOCK_P_DEFAULT = 4  # pages per tile: BLOCK_P x PAGE x D keys in registers
-PAGES_PER_PROGRAM = 64
+BLOCK_P_DEFAULT = 8  # pages per program: BLOCK_P x PAGE x D keys in registers
 
 
 @triton.jit
@@ -45,42 +44,37 @@ def _page_scores_kernel(
     stride_qb, stride_qh, stride_kcs, stride_kch, stride_rt, stride_hr, stride_hh, stride_sb, stride_sh,
     lo, max_pages,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr,
-    PER_PROGRAM: tl.constexpr, K_HELD: tl.constexpr, BLOCK_K: tl.constexpr, ROW_OF: tl.constexpr,
+    K_HELD: tl.constexpr, BLOCK_K: tl.constexpr, ROW_OF: tl.constexpr,
 ):
+    # one tile of BLOCK_P pages per program: many small programs keep many gathers in
+    # flight (a loop over tiles waited on each one's latency: 0.6 TB/s on an H200)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    c = tl.program_id(2)
+    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     pool = tl.load(Req_pool_indices + b).to(tl.int64)
-    mrow = _memory_row(Row_of, pool, ROW_OF)
     hi = tl.minimum(tl.load(Win_start + b).to(tl.int64), tl.load(Seq_lens + b).to(tl.int64))
     num_pages = tl.minimum(tl.maximum(hi - lo, 0) // PAGE, max_pages)
-    hpage = _held_pages(Held, mrow, h, stride_hr, stride_hh, lo, PAGE, K_HELD, BLOCK_K)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    offs_t = tl.arange(0, PAGE)
-    rt_row = Req_to_token + pool * stride_rt
-    out = Scores + b * stride_sb + h * stride_sh
-    for p0 in range(c * PER_PROGRAM, (c + 1) * PER_PROGRAM, BLOCK_P):
-        offs_p = p0 + tl.arange(0, BLOCK_P)
-        valid = offs_p < num_pages
-        if p0 < num_pages:
-            pos = lo + offs_p[:, None] * PAGE + offs_t[None, :]
-            slot = tl.load(rt_row + pos, mask=valid[:, None], other=0).to(tl.int64)
-            k = tl.load(K_cache + slot[:, :, None] * stride_kcs + h * stride_kch + offs_d[None, None, :],
-                        mask=valid[:, None, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
-            kmin = tl.min(k, axis=1)
-            kmax = tl.max(k, axis=1)
-            best = tl.full([BLOCK_P], float("-inf"), tl.float32)
-            for g in tl.static_range(G):
-                qg = tl.load(Q + b * stride_qb + (h * G + g) * stride_qh + offs_d, mask=mask_d,
-                             other=0.0).to(tl.float32)
-                bound = tl.sum(tl.maximum(qg[None, :] * kmin, qg[None, :] * kmax), axis=1)
-                best = tl.maximum(best, bound)
-            held = tl.max((hpage[None, :] == offs_p[:, None]).to(tl.int32), axis=1) > 0
-            score = tl.where(valid & ~held, best, float("-inf"))
-        else:
-            score = tl.full([BLOCK_P], float("-inf"), tl.float32)
-        tl.store(out + offs_p, score, mask=offs_p < max_pages)
+    valid = offs_p < num_pages
+    out = Scores + b * stride_sb + h * stride_sh + offs_p
+    if tl.program_id(2) * BLOCK_P < num_pages:
+        mrow = _memory_row(Row_of, pool, ROW_OF)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        pos = lo + offs_p[:, None] * PAGE + tl.arange(0, PAGE)[None, :]
+        slot = tl.load(Req_to_token + pool * stride_rt + pos, mask=valid[:, None], other=0).to(tl.int64)
+        k = tl.load(K_cache + slot[:, :, None] * stride_kcs + h * stride_kch + offs_d[None, None, :],
+                    mask=valid[:, None, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
+        kmin = tl.min(k, axis=1)
+        kmax = tl.max(k, axis=1)
+        best = tl.full([BLOCK_P], float("-inf"), tl.float32)
+        for g in tl.static_range(G):
+            qg = tl.load(Q + b * stride_qb + (h * G + g) * stride_qh + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+            best = tl.maximum(best, tl.sum(tl.maximum(qg[None, :] * kmin, qg[None, :] * kmax), axis=1))
+        hpage = _held_pages(Held, mrow, h, stride_hr, stride_hh, lo, PAGE, K_HELD, BLOCK_K)
+        held = tl.max((hpage[None, :] == offs_p[:, None]).to(tl.int32), axis=1) > 0
+        tl.store(out, tl.where(valid & ~held, best, float("-inf")), mask=offs_p < max_pages)
+    else:
+        tl.store(out, tl.full([BLOCK_P], float("-inf"), tl.float32), mask=offs_p < max_pages)
 
 
 @triton.jit
@@ -118,14 +112,13 @@ def page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start,
     assert page & (page - 1) == 0, f"the top-up's page ({page}) must be a power of two"
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and held.stride(2) == 1 and out.stride(2) == 1
     K = held.shape[2]
-    grid = (B, Hkv, triton.cdiv(max_pages, PAGES_PER_PROGRAM))
+    grid = (B, Hkv, triton.cdiv(max_pages, BLOCK_P_DEFAULT))
     _page_scores_kernel[grid](
         q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held,
         row_of if row_of is not None else req_pool_indices, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
         held.stride(0), held.stride(1), out.stride(0), out.stride(1), int(lo), int(max_pages),
-        G=Hq // Hkv, D=D, BLOCK_D=max(16, next_pow2(D)), PAGE=int(page), BLOCK_P=BLOCK_P_DEFAULT,
-        PER_PROGRAM=PAGES_PER_PROGRAM, K_HELD=K, BLOCK_K=max(16, next_pow2(K)), ROW_OF=row_of is not None,
+        G=Hq // Hkv, D=D, BLOCK_D=max(16, next_pow2(D)), PAGE=int(page), BLOCK_P=BLOCK_P_DEFAULT, K_HELD=K, BLOCK_K=max(16, next_pow2(K)), ROW_OF=row_of is not None,
         num_warps=4,
     )
     return out
