@@ -269,9 +269,8 @@ def test_topup_every_n_layers_reuses_the_groups_pages():
 def test_fast_step_with_topup_pages(fast_path):
     """attend_fast(extra=pages) == float64 attention over the memory's positions and the
     pages' (disjoint from them; -1 reads nothing) on every fast path's memory; with holes
-    in the selection (a request's own whole pages on a server without them),
-    reference=True reads the memory's positions alone: a GPU server's eager host path
-    reads the torch reference for what its kernels do not read."""
+    in the selection (a request's own whole pages on a server without them), holes=True
+    reads the memory's positions alone (the packed path's kernel skips the stale rows)."""
     Hkv, G, D = 2, 2, 16
     packed = fast_path != "reference"
     cfg = SFIConfig(sinks=4, window=8, budget=12, dense_layers=(), page_size=4,
@@ -287,8 +286,8 @@ def test_fast_step_with_topup_pages(fast_path):
     holes[:, :, 2:4] = -1                   # holes inside the count, as a page selection leaves
     mem.store(1, st["rpi"], holes.to(DEV), cnt, ws, st["k"], st["v"], st["rtt"])
     extra = torch.tensor([[[0, 2, -1], [1, -1, 3]], [[2, 3, 1], [-1, -1, -1]]], dtype=torch.int32)
-    for lid, kw in ((0, {"extra": extra.to(DEV)}), (1, {"extra": extra.to(DEV), "reference": True}),
-                    (1, {"reference": True})):
+    for lid, kw in ((0, {"extra": extra.to(DEV)}), (1, {"extra": extra.to(DEV), "holes": True}),
+                    (1, {"holes": True})):
         out = mem.attend_fast(lid, st["q"], st["k"], st["v"], st["rtt"], st["rpi"], st["seq_lens"], 0.25, **kw)
         for b, slot in enumerate(st["rpi"].tolist()):
             base = fast_positions(mem, lid, slot, t[b])

@@ -100,7 +100,7 @@ class HostPath:
                 o[i] = mem.attend_fast(lid, q[i:i + 1], kc, vc, r2t, rpi, sl, scale,
                                        lse_out=self.monitor.out(lid, i + 1, i), extra=extra,
                                        extra_page=cfg.page_size,
-                                       reference=cfg.selection_page != mem.cfg.selection_page)[0]
+                                       holes=cfg.selection_page > 1)[0]
                 continue
             # a slow step's output is its dense pass (the device pass skips host rows on the
             # CPU: backend._host_only), and its logits make the new selection

@@ -324,7 +324,7 @@ class SparseMemory:
                     out: Optional[torch.Tensor] = None, fast_plan=None, max_len: Optional[int] = None,
                     win_start: Optional[torch.Tensor] = None, lse_out: Optional[torch.Tensor] = None,
                     extra: Optional[torch.Tensor] = None, extra_page: Optional[int] = None,
-                    reference: bool = False, **kernel_kw) -> torch.Tensor:
+                    holes: bool = False, **kernel_kw) -> torch.Tensor:
         """Fast-step attention q [b, H_q, D] -> [b, H_q, D] over sinks + selected + window.
         Triton: one kernels.fast_decode launch (no host sync); FlashInfer: `fast_plan` from
         plan_fast for these rows; else the torch reference over the first max_len
@@ -333,12 +333,13 @@ class SparseMemory:
         lse_out [b, H_q] float32: also each head's log-sum-exp over the memory (Triton and
         the torch reference; config.py refuses the adaptive trigger on FlashInfer).
         extra [b, H_kv, P] int32: the top-up's pages (method.topup; of extra_page tokens,
-        default cfg.page_size, from the sinks; -1: none). reference=True (a request's own
-        whole pages) or extra on FlashInfer: the torch reference (host rows, eager steps)."""
+        default cfg.page_size, from the sinks; -1: none). holes=True: the selection may hold
+        -1 within its count (a request's own whole pages; the packed kernel then skips them).
+        holes or extra on FlashInfer: the torch reference (host rows, eager steps)."""
         li = self.layer_index[layer_id]
         rpi = req_pool_indices.to(self.device).long()
         page = extra_page or self.cfg.page_size
-        kernel = not reference and (extra is None or self.kernel_fast_path)
+        kernel = self.kernel_fast_path or (extra is None and not holes)
         if kernel and extra is not None:
             kernel_kw.update(extra_pages=extra.to(torch.int32).contiguous(), extra_base=self.sinks, extra_page=page)
         if kernel and self.fast_path == "flashinfer":
@@ -353,7 +354,7 @@ class SparseMemory:
                 packed = (None, None)
             else:
                 packed = (self.packed_k[li], self.packed_v[li])
-                if self.cfg.selection_page > 1:  # a head's pages may fill less than the count
+                if holes or self.cfg.selection_page > 1:  # a head's pages may fill less than the count
                     kernel_kw.update(holes=self.sel_pos[li], hole_base=self.sinks)
             return self._k.fast_decode(q, k_cache, v_cache, req_to_token, rpi, seq_lens, ws,
                                        *packed, self.packed_len, sm_scale, out=out, lse_out=lse_out,
