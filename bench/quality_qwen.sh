@@ -11,7 +11,8 @@
 #   bash bench/quality_qwen.sh                        # 8K: ~40 min code, ~40 min prose, ~40 min passkey
 #   CONTEXTS=16384 RUNS="code prose" bash bench/quality_qwen.sh
 #   METHODS=quest,sfi-lines,sfi-lines-topup EVERY=1 SUFFIX=_hybrid RUNS="code prose" bash bench/quality_qwen.sh
-# (EVERY=1: every method at both retentions, not only the baselines.)
+# (EVERY=1: every method at both retentions, not only the baselines; FIRST=4 TEXTS=4: texts 5-8 alone,
+# to join a run cut short, as `--append` would.)
 # Writes bench/results/quality_qwen_<context>_{code,prose,passkey}<SUFFIX>.{json,md,log} (+ _rate.png).
 set -uo pipefail
 PY=${PYTHON:-.venv/bin/python}
@@ -19,7 +20,7 @@ CONTEXTS=${CONTEXTS:-8192}
 OUTDIR=${OUTDIR:-bench/results}
 tag=quality_qwen_${CONTEXTS//,/_}
 common=(--model-path qwen2.5-coder-0.5b --contexts "$CONTEXTS" --retention 0.15,0.1 --ablation-retention 0.15
-        --texts "${TEXTS:-8}" --steps 64 --no-greedy
+        --texts "${TEXTS:-8}" ${FIRST:+--first-text "$FIRST"} --steps 64 --no-greedy
         --methods "${METHODS:-sfi,sfi-lines,sfi-topup,sfi-topup-reused,quest,snapkv,streaming}"
         ${EVERY:+--every-retention})
 run() {  # name, then eval options; progress bars stay on the terminal, the rest goes to the log
