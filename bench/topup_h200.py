@@ -9,8 +9,8 @@ bench/speed_h200.py's -topup) and a window of 256; the top-up reads 32 pages of 
   1. checks: kernels.page_scores and drop_held against their float64 references (4K
      context, 3 rows, memory rows), and fast_decode with the chosen pages against float64
      attention over the same positions, on the packed and the in-place (triton-pool) paths;
-  2. timing at 32K and 128K, batch 1 and 8, CUDA events, median of 50 replays of a CUDA
-     graph of 8 layer calls, each layer its own K/V cache (so no layer finds another's
+  2. timing at 32K and 128K, batch 1 and 8, CUDA events, median of the replays of a CUDA
+     graph of 8 layer calls (repeated to ~3 ms: kernels_h200.bench_graph), each layer its own K/V cache (so no layer finds another's
      keys in L2): fast_decode over 2048 held (what `sfi` reads), the top-up's choice
      (page_scores + topk; page_scores alone), drop_held, fast_decode over 1536 held + the 32 pages.
 Writes topup_h200.json.
@@ -21,7 +21,6 @@ import json
 import math
 import os
 import pathlib
-import statistics
 import sys
 
 import torch
@@ -99,26 +98,12 @@ def checks() -> dict:
     return res
 
 
-def graph_time(fn, reps=50) -> float:
-    """Median microseconds of one replay of a CUDA graph of fn (fn: 8 layers' calls)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000)
-    return statistics.median(times)
+def graph_time(fn) -> float:
+    """Median microseconds of one call of fn (8 layers' calls), from kernels_h200's CUDA-graph timer."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    from kernels_h200 import bench_graph
+
+    return bench_graph([fn], est_ms=0.5)[0] * 1000
 
 
 def timing(n: int, B: int, layers: int = 8) -> dict:

@@ -22,7 +22,8 @@ layers only read it. Where the state lives:
     boundary table and the refresh counters;
   - Selection and KeyNorms (method.selector): where selections are made and stored;
   - Slots (integration.slots): each slot's request record, retraction, radix sharing;
-  - HostPath (method.baselines): rows the device step cannot serve (eager steps only).
+  - HostPath (method.baselines): rows the device step cannot serve (eager steps only);
+  - StepTopUp (method.topup): the pages a fast step reads besides its memory (--sfi-topup-pages).
 
 A decode step is device work only, with static shapes, so SGLang's decode CUDA graphs
 capture it and its overlap scheduler runs it: each sparse layer runs the fast kernel over
@@ -46,13 +47,13 @@ from sfi_sglang.integration import graph_if, state
 from sfi_sglang.integration.slots import Slots
 from sfi_sglang.integration.warmup import warm_up
 from sfi_sglang.method.baselines import HostPath
-from sfi_sglang.method.topup import StepTopUp
 from sfi_sglang.method.boundary import AdaptiveMonitor, TriggerPolicy, extra_boundary_rows
 from sfi_sglang.method.config import SFIConfigError, server_config
 from sfi_sglang.method.memory import NO_WINDOW, SparseMemory
 from sfi_sglang.method.options import EXTRA_IDS_KEY
 from sfi_sglang.method.selector import KeyNorms, Selection
 from sfi_sglang.method.step import ScoreBuffers, StepMetadata, StepPlan, dense_step, score_rows
+from sfi_sglang.method.topup import StepTopUp
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
