@@ -60,6 +60,7 @@ def test_cli_name():
     (dict(dense_layers=(0, -1)), "--sfi-dense-layers"),
     (dict(memory_rows="some"), "--sfi-memory-rows must be a non-negative integer or auto"),
     (dict(memory_rows=-1), "--sfi-memory-rows"),
+    (dict(topup_pages=2, page_size=12), "--sfi-page-size must be a power of two with --sfi-topup-pages, got 12"),
 ])
 def test_validation_names_option(kw, needle):
     with pytest.raises(SFIConfigError) as e:

@@ -210,6 +210,8 @@ class SFIConfig:
             bad("method", "one of " + ", ".join(METHODS))
         if not is_int(self.page_size) or self.page_size < 1:
             bad("page_size", "a positive integer")
+        if self.topup_pages and self.page_size & (self.page_size - 1):  # the top-up kernel's tiles
+            bad("page_size", f"a power of two with {cli_name('topup_pages')}")
         if self.fusion not in ("arithmetic", "geometric"):
             bad("fusion", "'arithmetic' or 'geometric'")
         if not isinstance(self.boundaries, str):
