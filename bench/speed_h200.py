@@ -370,9 +370,12 @@ def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) 
     if name.endswith("-nodense"):  # no layer kept dense (--sfi-dense-layers none)
         kw["sfi_dense_layers"] = "none"
         name = name[:-len("-nodense")]
-    if name.endswith("-topup"):  # the per-step top-up: a quarter of the budget in pages of 16, chosen per
-        kw["sfi_topup_pages"] = 2048 // 4 // 16  # step (the eval's sfi-topup: the same tokens read)
-        kw["sfi_budget"] = 2048 - 2048 // 4
+    if name.endswith("-topup"):  # the per-step top-up: a quarter of the default budget in pages, chosen
+        from sfi_sglang.method.config import SFIConfig  # per step (the eval's sfi-topup: the same tokens read)
+
+        d = SFIConfig()
+        kw["sfi_topup_pages"] = d.budget // 4 // d.page_size
+        kw["sfi_budget"] = d.budget - kw["sfi_topup_pages"] * d.page_size
         name = name[:-len("-topup")]
     if name.endswith("-every8"):  # its pages chosen at every 8th sparse layer, reused by the next 7
         kw["sfi_topup_every"] = 8

@@ -546,7 +546,6 @@ def test_memory_rows_hold_what_the_slots_held(fast_path, packed, page):
     for slot in slots:
         a, b = flat.export(slot), rowed.export(slot)
         assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
-        assert torch.equal(flat.held(1, slot)[0], rowed.held(1, slot)[0])
     # a row taken back and given to another slot: that slot's memory starts empty
     rowed.rows.take(slots[0])
     assert rowed.rows.free == 1 and not rowed.rows.has(slots[0]) and rowed.give_row(spare)

@@ -217,12 +217,6 @@ class SparseMemory:
         a copy, for sfi_sglang.integration.radix (host sync)."""
         return self.sel_pos[:, self.rows.row(slot)].clone(), int(self.sel_count[slot]), int(self.win_start[slot])
 
-    def held(self, layer_id: int, slot: int) -> tuple[torch.Tensor, int]:
-        """(selected positions [H_kv, count], window start) of a slot at one layer (host
-        read: the host path's top-up)."""
-        count = int(self.sel_count[slot])
-        return self.sel_pos[self.layer_index[layer_id], self.rows.row(slot), :, :count], int(self.win_start[slot])
-
     def import_(self, slot: int, positions: torch.Tensor, count: int, win_start: int,
                 kv_caches, req_to_token: torch.Tensor, layer_ids: Iterable[int]) -> None:
         """Start `slot` from an exported selection (of a context whose first win_start
