@@ -11,8 +11,8 @@
 #   bash bench/quality_qwen.sh                        # 8K: ~40 min code, ~40 min prose, ~40 min passkey
 #   CONTEXTS=16384 RUNS="code prose" bash bench/quality_qwen.sh
 #   METHODS=quest,sfi-lines,sfi-lines-topup EVERY=1 SUFFIX=_hybrid RUNS="code prose" bash bench/quality_qwen.sh
-# (EVERY=1: every method at both retentions, not only the baselines; FIRST=4 TEXTS=4: texts 5-8 alone,
-# to join a run cut short, as `--append` would.)
+# (EVERY=1: every method at both retentions, not only the baselines; FIRST=4 TEXTS=4 APPEND=1: texts
+# 5-8 added to the rows of the run's existing JSON, to finish a run cut short.)
 # Writes bench/results/quality_qwen_<context>_{code,prose,passkey}<SUFFIX>.{json,md,log} (+ _rate.png).
 set -uo pipefail
 PY=${PYTHON:-.venv/bin/python}
@@ -22,7 +22,7 @@ tag=quality_qwen_${CONTEXTS//,/_}
 common=(--model-path qwen2.5-coder-0.5b --contexts "$CONTEXTS" --retention 0.15,0.1 --ablation-retention 0.15
         --texts "${TEXTS:-8}" ${FIRST:+--first-text "$FIRST"} --steps 64 --no-greedy
         --methods "${METHODS:-sfi,sfi-lines,sfi-topup,sfi-topup-reused,quest,snapkv,streaming}"
-        ${EVERY:+--every-retention})
+        ${EVERY:+--every-retention} ${APPEND:+--append})
 run() {  # name, then eval options; progress bars stay on the terminal, the rest goes to the log
   local name=$1; shift
   $PY -m sfi_sglang.cli eval quality "${common[@]}" "$@" --out "$OUTDIR/${tag}_$name${SUFFIX:-}" \
