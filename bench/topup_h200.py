@@ -12,7 +12,9 @@ bench/speed_h200.py's -topup) and a window of 256; the top-up reads 32 pages of 
   2. timing at 32K and 128K, batch 1 and 8, CUDA events, median of the replays of a CUDA
      graph of 8 layer calls (repeated to ~3 ms: kernels_h200.bench_graph), each layer its own K/V cache (so no layer finds another's
      keys in L2): fast_decode over 2048 held (what `sfi` reads), the top-up's choice
-     (page_scores + topk; page_scores alone), drop_held, fast_decode over 1536 held + the 32 pages.
+     (page_scores + pick_pages; page_scores alone; pick_pages alone; page_scores + torch.topk, the
+     choice before pick_pages), drop_held per layer and for a group's 7 other layers in one launch,
+     fast_decode over 1536 held + the 32 pages.
 Writes topup_h200.json.
 """
 
@@ -67,7 +69,7 @@ def checks() -> dict:
     fin = ~ref.isinf()
     res = {"scores_inf_equal": bool(torch.equal(got.isinf(), ref.isinf())),
            "scores_max_rel_err": float(((got.double() - ref)[fin].abs().max() / ref[fin].abs().max()).item())}
-    chosen = K.choose_pages(got, PAGES)
+    chosen = K.pick_pages(got, PAGES, st["seq_lens"], st["ws"], S, PAGE)
     ref_top = K.choose_pages(ref, PAGES)
     # the chosen pages' float64 scores are the best PAGES up to float32 rounding
     kth = ref.topk(PAGES, -1).values[..., -1:]
@@ -77,6 +79,10 @@ def checks() -> dict:
     other = torch.randint(S, 4096 - W, held_rows.shape, device=DEV).int()
     res["drop_held_equal"] = bool(torch.equal(K.drop_held(chosen, st["rpi"], other, S, PAGE, row_of=row_of),
                                               K.ref_drop_held(chosen, st["rpi"], other, S, PAGE, row_of=row_of)))
+    group = torch.stack([other, other.flip(0), held_rows])  # three layers' selections, one launch
+    res["drop_held_group_equal"] = all(
+        torch.equal(d, K.ref_drop_held(chosen, st["rpi"], h, S, PAGE, row_of=row_of))
+        for d, h in zip(K.drop_held(chosen, st["rpi"], group, S, PAGE, row_of=row_of), group))
     sel = st["held"]
     top = dict(extra_pages=chosen, extra_base=S, extra_page=PAGE)
     packed_k = torch.zeros(3, HKV, S + sel.shape[-1], D, dtype=DTYPE, device=DEV)
@@ -94,7 +100,8 @@ def checks() -> dict:
         res[f"fast_{name}_topup_changes_output"] = float((torch.linalg.vector_norm(without - want)
                                                           / torch.linalg.vector_norm(want)).item())
     res["ok"] = (res["scores_inf_equal"] and res["scores_max_rel_err"] < 1e-5 and res["chosen_are_top"]
-                 and res["drop_held_equal"] and res["fast_packed_rel_err"] < 2e-2 and res["fast_in_place_rel_err"] < 2e-2)
+                 and res["chosen_equal_reference"] and res["drop_held_equal"] and res["drop_held_group_equal"]
+                 and res["fast_packed_rel_err"] < 2e-2 and res["fast_in_place_rel_err"] < 2e-2)
     return res
 
 
@@ -136,6 +143,18 @@ def timing(n: int, B: int, layers: int = 8) -> dict:
         for kc, _ in st["caches"]:
             K.page_scores(st["q"], kc, st["r2t"], st["rpi"], st["seq_lens"], st["ws"], sel, S, PAGE, maxp)
 
+    def choose_torch():  # page_scores + torch.topk + where, the choice before pick_pages
+        for kc, _ in st["caches"]:
+            K.choose_pages(K.page_scores(st["q"], kc, st["r2t"], st["rpi"], st["seq_lens"], st["ws"], sel, S, PAGE,
+                                         maxp), PAGES)
+
+    sc = K.page_scores(st["q"], st["caches"][0][0], st["r2t"], st["rpi"], st["seq_lens"], st["ws"], sel, S, PAGE,
+                       maxp)
+
+    def pick():
+        for _ in range(layers):
+            K.pick_pages(sc, PAGES, st["seq_lens"], st["ws"], S, PAGE)
+
     choose()
     fixed = [c.clone() for c in chosen]
 
@@ -143,11 +162,19 @@ def timing(n: int, B: int, layers: int = 8) -> dict:
         for i in range(layers):
             K.drop_held(fixed[i], st["rpi"], sel, S, PAGE)
 
+    later = sel.expand(7, *sel.shape).contiguous()  # a group of 8 layers: the other 7's selections
+
+    def drop_group():
+        K.drop_held(fixed[0], st["rpi"], later, S, PAGE)
+
     res = {"context": n, "batch": B, "layers_per_graph": layers,
            "fast_2048_us": graph_time(fast(sel_full, plen_full)) / layers,
            "choose_us": graph_time(choose) / layers,
            "scores_us": graph_time(scores) / layers,
+           "pick_us": graph_time(pick) / layers,
+           "choose_torch_topk_us": graph_time(choose_torch) / layers,
            "drop_held_us": graph_time(drop) / layers,
+           "drop_held_group_of_8_us": graph_time(drop_group),
            "fast_1536_plus_pages_us": graph_time(fast(sel, plen, fixed)) / layers}
     # bytes: K of [S, n - W) per (row, KV head) for the choice; (S + 2048 + W) K/V rows for the fast step
     res["choose_bytes"] = B * HKV * (n - W - S) * D * 2

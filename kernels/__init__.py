@@ -20,7 +20,7 @@ _LAZY = {
     "fused_topk_key": "selector", "dense_decode": "slow_decode",
     "dense_decode_with_scores": "slow_decode", "topk_positions": "topk",
     "set_batch_invariant": "_common", "page_scores": "topup", "choose_pages": "topup",
-    "choose_topup": "topup", "drop_held": "topup",
+    "choose_topup": "topup", "drop_held": "topup", "pick_pages": "topup",
 }
 
 

@@ -7,17 +7,23 @@ per-channel min/max keys, read in place through req_to_token,
     bound(page) = max over the group's query heads g of sum_d max(q_gd * kmin_d, q_gd * kmax_d),
 
 pages holding a held position (the layer's selection, -1 padded) score -inf, and the top
-`pages` are kept: page indices counted from lo, -1 where fewer qualify. One launch scores
-every page (grid: rows x KV heads x tiles of 8 pages, a fixed grid for a captured batch
-size: programs past a row's pages write -inf), then torch.topk; no host sync, so it runs
-inside SGLang's decode CUDA graphs. kernels.fast_decode reads the chosen pages as its
-`extra_pages`.
+`pages` are kept: page indices counted from lo, -1 where fewer qualify. Two launches, with
+no host sync, so they run inside SGLang's decode CUDA graphs:
+  page_scores  every page (grid: rows x KV heads x tiles of 8 pages, a fixed grid for a
+               captured batch size: programs past a row's pages write -inf);
+  pick_pages   one program per (row, KV head): an exact radix select over the row's own
+               pages' scores (4 passes of 8 bits, 256-bin histograms, as kernels.topk does
+               across programs), then the chosen pages in ascending order, -1 padded; ties
+               at the last chosen score go to the lowest pages. torch.topk + where took
+               several launches per layer (bench/NOTES.md section 52).
+kernels.fast_decode reads the chosen pages as its `extra_pages`.
 
 `drop_held` is the reuse across layers (--sfi-topup-every): the pages chosen at a group's
 first layer, less those holding a position the current layer holds (the fast kernel reads
-a position once).
+a position once); given the selections of several layers at once, one launch for them all.
 
-References: reference.ref_page_scores, reference.ref_drop_held (also the CPU path).
+References: reference.ref_page_scores, choose_pages (torch.topk), reference.ref_drop_held
+(also the CPU path).
 """
 
 import torch
@@ -25,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ._common import _memory_row, next_pow2, use_triton
+from .topk import _ordered
 
 BLOCK_P_DEFAULT = 8  # pages per program: BLOCK_P x PAGE x D keys in registers
 
@@ -78,18 +85,70 @@ def _page_scores_kernel(
 
 
 @triton.jit
-def _drop_held_kernel(Pages, Out, Req_pool_indices, Held, Row_of, stride_pb, stride_ph, stride_ob, stride_oh,
-                      stride_hr, stride_hh, lo, P: tl.constexpr, BLOCK_PP: tl.constexpr, PAGE: tl.constexpr,
-                      K_HELD: tl.constexpr, BLOCK_K: tl.constexpr, ROW_OF: tl.constexpr):
+def _pick_pages_kernel(Scores, Out, Seq_lens, Win_start, stride_sb, stride_sh, stride_ob, stride_oh, lo, max_pages,
+                       P: tl.constexpr, BLOCK_PP: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    hi = tl.minimum(tl.load(Win_start + b).to(tl.int64), tl.load(Seq_lens + b).to(tl.int64))
+    n = tl.minimum(tl.maximum(hi - lo, 0) // PAGE, max_pages).to(tl.int32)  # the row's pages; the rest are -inf
+    base = Scores + b.to(tl.int64) * stride_sb + h * stride_sh
+    offs_b = tl.arange(0, 256)
+    # radix select of the P-th largest ordered key t (uint32) and r, how many keys equal to t are taken
+    prefix = tl.zeros([], tl.uint32)
+    r = tl.zeros([], tl.int32) + P
+    for p in tl.static_range(4):
+        acc = tl.zeros([256], tl.int32)
+        for n0 in range(0, n, BLOCK):
+            offs = n0 + tl.arange(0, BLOCK)
+            inb = offs < n
+            o = _ordered(tl.load(base + offs, mask=inb, other=float("-inf")))
+            if p == 0:
+                match = inb
+            else:
+                match = inb & ((o >> (32 - 8 * p)) == prefix)
+            acc += tl.histogram(((o >> (24 - 8 * p)) & 255).to(tl.int32), 256, mask=match)
+        incl = tl.sum(acc, 0) - tl.cumsum(acc, 0) + acc  # keys in bins >= each bin
+        bin = tl.max(tl.where(incl >= r, offs_b, -1), 0)
+        r = r - (tl.sum(tl.where(offs_b == bin, incl, 0), 0) - tl.sum(tl.where(offs_b == bin, acc, 0), 0))
+        prefix = (prefix << 8) | bin.to(tl.uint32)
+    all_taken = n <= P  # then every finite key is taken (the passes found no bin)
+    t = tl.where(all_taken, 0x007FFFFF, prefix)  # 0x007FFFFF: -inf's ordered bits, never taken
+    r = tl.where(all_taken, 0, r)
+    t_fin = t != 0x007FFFFF
+    obase = Out + b.to(tl.int64) * stride_ob + h * stride_oh
+    out_pos = tl.zeros([], tl.int32)
+    eq_seen = tl.zeros([], tl.int32)
+    for n0 in range(0, n, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        inb = offs < n
+        o = _ordered(tl.load(base + offs, mask=inb, other=float("-inf")))
+        is_eq = (inb & (o == t) & t_fin).to(tl.int32)
+        eq_rank = eq_seen + tl.cumsum(is_eq, 0) - is_eq
+        take = (inb & (o > t)) | ((is_eq > 0) & (eq_rank < r))
+        ti = take.to(tl.int32)
+        pos = out_pos + tl.cumsum(ti, 0) - ti
+        tl.store(obase + pos, offs, mask=take & (pos < P))
+        out_pos += tl.sum(ti, 0)
+        eq_seen += tl.sum(is_eq, 0)
+    offs_pp = tl.arange(0, BLOCK_PP)
+    tl.store(obase + offs_pp, tl.full([BLOCK_PP], -1, tl.int32), mask=(offs_pp >= out_pos) & (offs_pp < P))
+
+
+@triton.jit
+def _drop_held_kernel(Pages, Out, Req_pool_indices, Held, Row_of, stride_pb, stride_ph, stride_ol, stride_ob,
+                      stride_oh, stride_hl, stride_hr, stride_hh, lo, P: tl.constexpr, BLOCK_PP: tl.constexpr,
+                      PAGE: tl.constexpr, K_HELD: tl.constexpr, BLOCK_K: tl.constexpr, ROW_OF: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    layer = tl.program_id(2)
     pool = tl.load(Req_pool_indices + b).to(tl.int64)
     mrow = _memory_row(Row_of, pool, ROW_OF)
-    hpage = _held_pages(Held, mrow, h, stride_hr, stride_hh, lo, PAGE, K_HELD, BLOCK_K)
+    hpage = _held_pages(Held + layer * stride_hl, mrow, h, stride_hr, stride_hh, lo, PAGE, K_HELD, BLOCK_K)
     offs = tl.arange(0, BLOCK_PP)
     pg = tl.load(Pages + b * stride_pb + h * stride_ph + offs, mask=offs < P, other=-1)
     held = tl.max((hpage[None, :] == pg[:, None]).to(tl.int32), axis=1) > 0
-    tl.store(Out + b * stride_ob + h * stride_oh + offs, tl.where(held, -1, pg).to(tl.int32), mask=offs < P)
+    tl.store(Out + layer * stride_ol + b * stride_ob + h * stride_oh + offs, tl.where(held, -1, pg).to(tl.int32),
+             mask=offs < P)
 
 
 def page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held, lo: int, page: int,
@@ -125,37 +184,69 @@ def page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start,
 
 
 def choose_pages(scores: torch.Tensor, pages: int) -> torch.Tensor:
-    """The top `pages` of scores [B, H_kv, P] per (row, KV head): page indices [B, H_kv,
-    pages] int32, -1 where the score is -inf (fewer pages qualify)."""
+    """The top `pages` of scores [B, H_kv, P] per (row, KV head) by torch.topk (pick_pages'
+    reference and CPU path): page indices [B, H_kv, pages] int32 in topk's order, -1 where
+    the score is -inf (fewer pages qualify)."""
     take = min(int(pages), scores.shape[-1])
     top = scores.topk(take, dim=-1)
     return torch.where(top.values == float("-inf"), -1, top.indices).to(torch.int32)
 
 
+def pick_pages(scores, pages: int, seq_lens, win_start, lo: int, page: int, out=None) -> torch.Tensor:
+    """The top `pages` of each row's own pages of scores [B, H_kv, max_pages] (page_scores'
+    output; row b's are the first (min(win_start, seq_len) - lo) // page): page indices
+    [B, H_kv, pages] int32, ascending, -1 padded; -inf never chosen. One launch; the same
+    set as choose_pages but for ties (here the lowest pages), which it falls back to on CPU."""
+    B, H, N = scores.shape
+    if out is None:
+        out = torch.empty((B, H, int(pages)), dtype=torch.int32, device=scores.device)
+    if B == 0 or pages == 0:
+        return out
+    if not use_triton(scores):
+        top = choose_pages(scores, pages).long()
+        top = torch.where(top < 0, N, top).sort(-1).values  # ascending, -1 (as N) last
+        out.fill_(-1)[..., :top.shape[-1]] = torch.where(top == N, -1, top)
+        return out
+    assert scores.stride(2) == 1 and out.stride(2) == 1
+    _pick_pages_kernel[(B, H)](
+        scores, out, seq_lens, win_start, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
+        int(lo), int(N), P=int(pages), BLOCK_PP=max(16, next_pow2(pages)), PAGE=int(page), BLOCK=1024,
+        num_warps=4,
+    )
+    return out
+
+
 def choose_topup(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held, lo: int, page: int,
                 pages: int, max_pages: int, row_of=None):
     """The top-up of one fast step at one layer: page indices [B, H_kv, pages] int32 from
-    lo (-1: none); page_scores then choose_pages."""
-    return choose_pages(page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held, lo,
-                                    page, max_pages, row_of=row_of), pages)
+    lo (-1: none); page_scores then pick_pages."""
+    scores = page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held, lo, page,
+                         max_pages, row_of=row_of)
+    return pick_pages(scores, pages, seq_lens, win_start, lo, page)
 
 
 def drop_held(pages, req_pool_indices, held, lo: int, page: int, row_of=None):
     """pages [B, H_kv, P] int32 (a group's top-up) with -1 for each page holding a position
-    of held [rows, H_kv, K] (this layer's selection): a new tensor."""
+    of held [rows, H_kv, K] (this layer's selection): a new tensor. Given held [L, rows,
+    H_kv, K] (the selections of L layers), one launch makes [L, B, H_kv, P]."""
     B, H, P = pages.shape
-    out = torch.empty_like(pages)
-    if B == 0 or P == 0:
-        return out
+    layers = held.dim() == 4
+    h4 = held if layers else held[None]
+    out = torch.empty((h4.shape[0], B, H, P), dtype=pages.dtype, device=pages.device)
+    if B == 0 or P == 0 or h4.shape[0] == 0:
+        return out if layers else out[0]
     if not use_triton(pages):
         from .reference import ref_drop_held
 
-        return ref_drop_held(pages, req_pool_indices, held, lo, page, row_of=row_of, out=out)
-    K = held.shape[2]
-    _drop_held_kernel[(B, H)](
-        pages, out, req_pool_indices, held, row_of if row_of is not None else req_pool_indices,
-        pages.stride(0), pages.stride(1), out.stride(0), out.stride(1), held.stride(0), held.stride(1), int(lo),
-        P=P, BLOCK_PP=max(16, next_pow2(P)), PAGE=int(page), K_HELD=K, BLOCK_K=max(16, next_pow2(K)),
-        ROW_OF=row_of is not None, num_warps=4,
+        for i in range(h4.shape[0]):
+            ref_drop_held(pages, req_pool_indices, h4[i], lo, page, row_of=row_of, out=out[i])
+        return out if layers else out[0]
+    assert h4.stride(3) == 1
+    K = h4.shape[3]
+    _drop_held_kernel[(B, H, h4.shape[0])](
+        pages, out, req_pool_indices, h4, row_of if row_of is not None else req_pool_indices,
+        pages.stride(0), pages.stride(1), out.stride(0), out.stride(1), out.stride(2), h4.stride(0), h4.stride(1),
+        h4.stride(2), int(lo), P=P, BLOCK_PP=max(16, next_pow2(P)), PAGE=int(page), K_HELD=K,
+        BLOCK_K=max(16, next_pow2(K)), ROW_OF=row_of is not None, num_warps=4,
     )
-    return out
+    return out if layers else out[0]

@@ -251,14 +251,52 @@ def test_topup_page_scores_and_choice(rows):
             hp = {(int(x) - S) // page for x in held[h] if x >= 0}
             want = [p for p in range(max(hi - S, 0) // page) if p not in hp]
             assert fin[b, h].nonzero()[:, 0].tolist() == want
-    chosen = K.choose_pages(got, take)
-    assert torch.equal(chosen.sort(-1).values.cpu(), K.choose_pages(ref, take).sort(-1).values.cpu())
+    chosen = K.pick_pages(got, take, st["seq_lens"], st["win_start"], S, page)
+    assert torch.equal(chosen.cpu(), _topk_ref(ref, take).int())
     assert chosen.dtype == torch.int32 and (chosen[1] == -1).all()  # row 1: no whole page outside its memory
-    other = torch.randint(-1, st["max_pages"] * page, st["held"].shape, generator=st["gen"]).int().to(DEV)
-    dropped = K.drop_held(chosen, st["req_pool_indices"], other, S, page, row_of=st["row_of"])
-    assert torch.equal(dropped.cpu(), K.ref_drop_held(chosen, st["req_pool_indices"], other, S, page,
+    other = torch.randint(-1, st["max_pages"] * page, (3, *st["held"].shape), generator=st["gen"]).int().to(DEV)
+    dropped = K.drop_held(chosen, st["req_pool_indices"], other[1], S, page, row_of=st["row_of"])
+    assert torch.equal(dropped.cpu(), K.ref_drop_held(chosen, st["req_pool_indices"], other[1], S, page,
                                                       row_of=st["row_of"]).cpu())
     assert ((dropped == -1) & (chosen >= 0)).any() and ((dropped == chosen) & (chosen >= 0)).any()
+    # three layers' selections in one launch: each layer's drop_held
+    group = K.drop_held(chosen, st["req_pool_indices"], other, S, page, row_of=st["row_of"])
+    assert group.shape == (3, *chosen.shape)
+    for i in range(3):
+        assert torch.equal(group[i], K.drop_held(chosen, st["req_pool_indices"], other[i], S, page,
+                                                 row_of=st["row_of"]))
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_pick_pages_is_an_exact_top_k_of_each_rows_pages(ties):
+    """kernels.pick_pages: per (row, KV head), the `take` largest scores among the row's own
+    (min(win_start, seq_len) - lo) // page pages (later columns ignored, whatever they
+    hold), ascending, -inf never taken, -1 padded; ties at the last taken score to the
+    lowest pages; over several of its 1024-score blocks, and rows with fewer pages than
+    `take`. The CPU path (choose_pages, torch.topk) gives the same set."""
+    S, page, take, N = 4, 4, 37, 2600
+    seq_lens = torch.tensor([S + N * page, S + 3000, 40, S + 30 * page + 3], dtype=torch.int32)
+    win_start = torch.tensor([S + N * page, S + 3000 + 7, 6, S + 36 * page], dtype=torch.int64)
+    g = torch.Generator().manual_seed(11)
+    scores = torch.randn(4, 3, N, generator=g) * 5
+    if ties:  # a coarse grid: many keys equal to the last one taken
+        scores = torch.round(scores) + 0.25
+    scores[0, 0, :5] = -math.inf
+    scores[0, 1] = -math.inf  # fewer finite pages than take
+    scores[0, 1, 100:110] = torch.randn(10, generator=g)
+    scores[1, 2, 700:] = 1e9  # past row 1's 750 pages: ignored
+    n = ((torch.minimum(win_start, seq_lens.long()) - S).clamp_min(0) // page).tolist()
+    own = scores.clone()
+    for b, nb in enumerate(n):
+        own[b, :, nb:] = -math.inf
+    ref = _topk_ref(own, take).int()
+    got = K.pick_pages(scores.to(DEV), take, seq_lens.to(DEV), win_start.to(DEV), S, page)
+    assert got.dtype == torch.int32 and torch.equal(got.cpu(), ref)
+    assert (got[2] == -1).all() and (got[3, :, 30:] == -1).all() and (got[0, 1, 10:] == -1).all()
+    if not ties:
+        def as_set(t):
+            return torch.where(t < 0, N, t.long()).sort(-1).values
+        assert torch.equal(as_set(K.choose_pages(own, take)), as_set(ref))
 
 
 @pytest.mark.parametrize("listed", [False, True])

@@ -13,6 +13,15 @@ from typing import Optional
 import torch
 
 
+def _choose(memory, li: int, cfg, q, k_cache, req_to_token, rpi, seq_lens, win_start) -> torch.Tensor:
+    """The best pages of [sinks, window start) holding none of sel_pos[li] (kernels.choose_topup)."""
+    from sfi_sglang import kernels
+
+    return kernels.choose_topup(q, k_cache, req_to_token, rpi, seq_lens, win_start, memory.sel_pos[li],
+                                cfg.sinks, cfg.page_size, cfg.topup_pages, req_to_token.shape[1] // cfg.page_size,
+                                row_of=memory.rows.kernel_arg())
+
+
 def layer_pages(memory, lid: int, cfg, q, k_cache, req_to_token, req_pool_indices, seq_lens,
                 group: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The top-up of one fast step at sparse layer lid for rows req_pool_indices [B] (q
@@ -24,13 +33,11 @@ def layer_pages(memory, lid: int, cfg, q, k_cache, req_to_token, req_pool_indice
     from sfi_sglang import kernels
 
     li = memory.layer_index[lid]
-    held, row_of = memory.sel_pos[li], memory.rows.kernel_arg()
     rpi = req_pool_indices.to(memory.device).long()
     if group is not None and not is_group_start(memory, lid, cfg):
-        return kernels.drop_held(group, rpi, held, cfg.sinks, cfg.page_size, row_of=row_of)
-    return kernels.choose_topup(q, k_cache, req_to_token, rpi, seq_lens, memory.win_start[rpi], held,
-                                cfg.sinks, cfg.page_size, cfg.topup_pages,
-                                req_to_token.shape[1] // cfg.page_size, row_of=row_of)
+        return kernels.drop_held(group, rpi, memory.sel_pos[li], cfg.sinks, cfg.page_size,
+                                 row_of=memory.rows.kernel_arg())
+    return _choose(memory, li, cfg, q, k_cache, req_to_token, rpi, seq_lens, memory.win_start[rpi])
 
 
 def is_group_start(memory, lid: int, cfg) -> bool:
@@ -39,19 +46,43 @@ def is_group_start(memory, lid: int, cfg) -> bool:
 
 
 class StepTopUp:
-    """The device step's top-up with the server's config: layer_pages for every row of
-    the batch, the group's pages kept from its first layer to the next (layers run in
-    order within a step, so a captured graph replays the same dependence)."""
+    """The device step's top-up with the server's config, what layer_pages gives for every
+    row of the batch in fewer launches: the rows' window starts gathered once per step (at
+    its first sparse layer), and at a group's first layer, besides its own choice, the
+    group's pages less each later layer's held ones in one drop_held launch over their
+    selections (layers run in order within a step, so a captured graph replays the same
+    dependence; a slow row's selection stored mid-group changes only its fast output,
+    which its dense pass replaces)."""
 
     def __init__(self, memory, cfg):
         self.memory, self.cfg = memory, cfg
-        self._group: Optional[torch.Tensor] = None
+        sparse = [lid for lid in cfg.sparse_layers(memory.num_layers) if lid in memory.layer_index]
+        self._first = sparse[0] if sparse else None
+        self._later: dict[int, object] = {}   # a group's first layer -> the others' rows of sel_pos
+        self._slot: dict[int, int] = {}       # a later layer -> its index among them
+        e = cfg.topup_every
+        for k in range(0, len(sparse), e):
+            lis = [memory.layer_index[lid] for lid in sparse[k + 1:k + e]]
+            contiguous = lis == list(range(lis[0], lis[0] + len(lis))) if lis else True
+            self._later[sparse[k]] = (slice(lis[0], lis[-1] + 1) if lis and contiguous else
+                                      torch.tensor(lis, dtype=torch.long, device=memory.device) if lis else None)
+            self._slot.update({lid: i for i, lid in enumerate(sparse[k + 1:k + e])})
+        self._rows = None    # (req_pool_indices as int64, their window starts) of this step
+        self._group = None   # [group's later layers, B, H_kv, P]: their pages this step
 
     def pages(self, lid: int, q, k_cache, req_to_token, req_pool_indices, seq_lens) -> torch.Tensor:
-        if is_group_start(self.memory, lid, self.cfg):
-            self._group = None
-        pages = layer_pages(self.memory, lid, self.cfg, q, k_cache, req_to_token, req_pool_indices, seq_lens,
-                            self._group)
-        if self._group is None:
-            self._group = pages
+        from sfi_sglang import kernels
+
+        mem, cfg = self.memory, self.cfg
+        if lid == self._first or self._rows is None:
+            rpi = req_pool_indices.to(mem.device).long()
+            self._rows = (rpi, mem.win_start[rpi])
+        rpi, ws = self._rows
+        if lid not in self._later:
+            return self._group[self._slot[lid]]
+        pages = _choose(mem, mem.layer_index[lid], cfg, q, k_cache, req_to_token, rpi, seq_lens, ws)
+        later = self._later[lid]
+        if later is not None:
+            self._group = kernels.drop_held(pages, rpi, mem.sel_pos[later], cfg.sinks, cfg.page_size,
+                                            row_of=mem.rows.kernel_arg())
         return pages
