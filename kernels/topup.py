@@ -13,7 +13,8 @@ no host sync, so they run inside SGLang's decode CUDA graphs:
                captured batch size: programs past a row's pages write -inf);
   pick_pages   one program per (row, KV head): an exact radix select over the row's own
                pages' scores (4 passes of 8 bits, 256-bin histograms, as kernels.topk does
-               across programs), then the chosen pages in ascending order, -1 padded; ties
+               across programs; on scores held in registers up to PICK_BLOCK_MAX columns,
+               else a loop over blocks), then the chosen pages in ascending order, -1 padded; ties
                at the last chosen score go to the lowest pages. torch.topk + where took
                several launches per layer (bench/NOTES.md section 52).
 kernels.fast_decode reads the chosen pages as its `extra_pages`.
@@ -34,6 +35,7 @@ from ._common import _memory_row, next_pow2, use_triton
 from .topk import _ordered
 
 BLOCK_P_DEFAULT = 8  # pages per program: BLOCK_P x PAGE x D keys in registers
+PICK_BLOCK_MAX = 8192  # pick_pages holds up to this many scores per (row, KV head) in registers (128K at page 16)
 
 
 @triton.jit
@@ -85,8 +87,19 @@ def _page_scores_kernel(
 
 
 @triton.jit
+def _next_digit(acc, prefix, r, offs_b):
+    """After a pass's 256-bin histogram acc of the keys still matching prefix: prefix with
+    the bin of the r-th largest appended, and r less the keys in the bins above it."""
+    incl = tl.sum(acc, 0) - tl.cumsum(acc, 0) + acc  # keys in bins >= each bin
+    bin = tl.max(tl.where(incl >= r, offs_b, -1), 0)
+    r = r - (tl.sum(tl.where(offs_b == bin, incl, 0), 0) - tl.sum(tl.where(offs_b == bin, acc, 0), 0))
+    return (prefix << 8) | bin.to(tl.uint32), r
+
+
+@triton.jit
 def _pick_pages_kernel(Scores, Out, Seq_lens, Win_start, stride_sb, stride_sh, stride_ob, stride_oh, lo, max_pages,
-                       P: tl.constexpr, BLOCK_PP: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr):
+                       P: tl.constexpr, BLOCK_PP: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+                       RESIDENT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     hi = tl.minimum(tl.load(Win_start + b).to(tl.int64), tl.load(Seq_lens + b).to(tl.int64))
@@ -96,21 +109,30 @@ def _pick_pages_kernel(Scores, Out, Seq_lens, Win_start, stride_sb, stride_sh, s
     # radix select of the P-th largest ordered key t (uint32) and r, how many keys equal to t are taken
     prefix = tl.zeros([], tl.uint32)
     r = tl.zeros([], tl.int32) + P
-    for p in tl.static_range(4):
-        acc = tl.zeros([256], tl.int32)
-        for n0 in range(0, n, BLOCK):
-            offs = n0 + tl.arange(0, BLOCK)
-            inb = offs < n
-            o = _ordered(tl.load(base + offs, mask=inb, other=float("-inf")))
+    if RESIDENT:  # every column in one block: loaded once, the passes run on registers
+        offs = tl.arange(0, BLOCK)
+        inb = offs < n
+        o = _ordered(tl.load(base + offs, mask=inb, other=float("-inf")))
+        for p in tl.static_range(4):
             if p == 0:
                 match = inb
             else:
                 match = inb & ((o >> (32 - 8 * p)) == prefix)
-            acc += tl.histogram(((o >> (24 - 8 * p)) & 255).to(tl.int32), 256, mask=match)
-        incl = tl.sum(acc, 0) - tl.cumsum(acc, 0) + acc  # keys in bins >= each bin
-        bin = tl.max(tl.where(incl >= r, offs_b, -1), 0)
-        r = r - (tl.sum(tl.where(offs_b == bin, incl, 0), 0) - tl.sum(tl.where(offs_b == bin, acc, 0), 0))
-        prefix = (prefix << 8) | bin.to(tl.uint32)
+            acc = tl.histogram(((o >> (24 - 8 * p)) & 255).to(tl.int32), 256, mask=match)
+            prefix, r = _next_digit(acc, prefix, r, offs_b)
+    else:
+        for p in tl.static_range(4):
+            acc = tl.zeros([256], tl.int32)
+            for n0 in range(0, n, BLOCK):
+                offs = n0 + tl.arange(0, BLOCK)
+                inb = offs < n
+                o = _ordered(tl.load(base + offs, mask=inb, other=float("-inf")))
+                if p == 0:
+                    match = inb
+                else:
+                    match = inb & ((o >> (32 - 8 * p)) == prefix)
+                acc += tl.histogram(((o >> (24 - 8 * p)) & 255).to(tl.int32), 256, mask=match)
+            prefix, r = _next_digit(acc, prefix, r, offs_b)
     all_taken = n <= P  # then every finite key is taken (the passes found no bin)
     t = tl.where(all_taken, 0x007FFFFF, prefix)  # 0x007FFFFF: -inf's ordered bits, never taken
     r = tl.where(all_taken, 0, r)
@@ -208,10 +230,11 @@ def pick_pages(scores, pages: int, seq_lens, win_start, lo: int, page: int, out=
         out.fill_(-1)[..., :top.shape[-1]] = torch.where(top == N, -1, top)
         return out
     assert scores.stride(2) == 1 and out.stride(2) == 1
+    block = min(max(256, next_pow2(N)), PICK_BLOCK_MAX)
     _pick_pages_kernel[(B, H)](
         scores, out, seq_lens, win_start, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
-        int(lo), int(N), P=int(pages), BLOCK_PP=max(16, next_pow2(pages)), PAGE=int(page), BLOCK=1024,
-        num_warps=4,
+        int(lo), int(N), P=int(pages), BLOCK_PP=max(16, next_pow2(pages)), PAGE=int(page), BLOCK=block,
+        RESIDENT=N <= block, num_warps=max(4, min(16, block // 512)),
     )
     return out
 

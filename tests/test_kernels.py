@@ -267,13 +267,15 @@ def test_topup_page_scores_and_choice(rows):
                                                  row_of=st["row_of"]))
 
 
-@pytest.mark.parametrize("ties", [False, True])
-def test_pick_pages_is_an_exact_top_k_of_each_rows_pages(ties):
+@pytest.mark.parametrize("ties,block_max", [(False, 8192), (True, 8192), (True, 1024)])
+def test_pick_pages_is_an_exact_top_k_of_each_rows_pages(ties, block_max, monkeypatch):
     """kernels.pick_pages: per (row, KV head), the `take` largest scores among the row's own
     (min(win_start, seq_len) - lo) // page pages (later columns ignored, whatever they
     hold), ascending, -inf never taken, -1 padded; ties at the last taken score to the
-    lowest pages; over several of its 1024-score blocks, and rows with fewer pages than
-    `take`. The CPU path (choose_pages, torch.topk) gives the same set."""
+    lowest pages; with the scores in registers and (block_max 1024) over several blocks,
+    and rows with fewer pages than `take`. The CPU path (choose_pages, torch.topk) gives
+    the same set."""
+    monkeypatch.setattr(importlib.import_module(K.__name__ + ".topup"), "PICK_BLOCK_MAX", block_max)
     S, page, take, N = 4, 4, 37, 2600
     seq_lens = torch.tensor([S + N * page, S + 3000, 40, S + 30 * page + 3], dtype=torch.int32)
     win_start = torch.tensor([S + N * page, S + 3000 + 7, 6, S + 36 * page], dtype=torch.int64)
