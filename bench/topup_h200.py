@@ -14,7 +14,8 @@ bench/speed_h200.py's -topup) and a window of 256; the top-up reads 32 pages of 
      keys in L2): fast_decode over 2048 held (what `sfi` reads), the top-up's choice
      (page_scores + pick_pages; page_scores alone; pick_pages alone; page_scores + torch.topk, the
      choice before pick_pages), drop_held per layer and for a group's 7 other layers in one launch,
-     fast_decode over 1536 held + the 32 pages.
+     fast_decode over 1536 held + the 32 pages; page_scores over tiles of 4, 8 and 16 pages
+     per program with 2 to 8 warps.
 Writes topup_h200.json.
 """
 
@@ -143,6 +144,13 @@ def timing(n: int, B: int, layers: int = 8) -> dict:
         for kc, _ in st["caches"]:
             K.page_scores(st["q"], kc, st["r2t"], st["rpi"], st["seq_lens"], st["ws"], sel, S, PAGE, maxp)
 
+    def scores_with(block_p, warps):  # the tile of pages per program and the warps, swept
+        def f():
+            for kc, _ in st["caches"]:
+                K.page_scores(st["q"], kc, st["r2t"], st["rpi"], st["seq_lens"], st["ws"], sel, S, PAGE, maxp,
+                              block_p=block_p, num_warps=warps)
+        return f
+
     def choose_torch():  # page_scores + torch.topk + where, the choice before pick_pages
         for kc, _ in st["caches"]:
             K.choose_pages(K.page_scores(st["q"], kc, st["r2t"], st["rpi"], st["seq_lens"], st["ws"], sel, S, PAGE,
@@ -177,6 +185,8 @@ def timing(n: int, B: int, layers: int = 8) -> dict:
            "drop_held_group_of_8_us": graph_time(drop_group),
            "fast_1536_plus_pages_us": graph_time(fast(sel, plen, fixed)) / layers}
     # bytes: K of [S, n - W) per (row, KV head) for the choice; (S + 2048 + W) K/V rows for the fast step
+    res["scores_us_by_tile_and_warps"] = {f"{bp}x{w}": graph_time(scores_with(bp, w)) / layers
+                                          for bp, w in ((4, 2), (4, 4), (8, 4), (8, 8), (16, 8))}
     res["choose_bytes"] = B * HKV * (n - W - S) * D * 2
     res["choose_tb_s"] = res["choose_bytes"] / res["choose_us"] / 1e6
     res["scores_tb_s"] = res["choose_bytes"] / res["scores_us"] / 1e6

@@ -174,7 +174,7 @@ def _drop_held_kernel(Pages, Out, Req_pool_indices, Held, Row_of, stride_pb, str
 
 
 def page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held, lo: int, page: int,
-                max_pages: int, row_of=None, out=None):
+                max_pages: int, row_of=None, out=None, block_p: int = BLOCK_P_DEFAULT, num_warps: int = 4):
     """Scores [B, H_kv, max_pages] float32 of the pages of `page` tokens from lo (see the
     module doc): -inf past a row's whole pages in [lo, min(win_start, seq_len)) and on
     pages holding a position of held [rows, H_kv, K] (-1 padded; by memory row, row_of
@@ -193,14 +193,14 @@ def page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start,
     assert page & (page - 1) == 0, f"the top-up's page ({page}) must be a power of two"
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and held.stride(2) == 1 and out.stride(2) == 1
     K = held.shape[2]
-    grid = (B, Hkv, triton.cdiv(max_pages, BLOCK_P_DEFAULT))
+    grid = (B, Hkv, triton.cdiv(max_pages, block_p))
     _page_scores_kernel[grid](
         q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held,
         row_of if row_of is not None else req_pool_indices, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
         held.stride(0), held.stride(1), out.stride(0), out.stride(1), int(lo), int(max_pages),
-        G=Hq // Hkv, D=D, BLOCK_D=max(16, next_pow2(D)), PAGE=int(page), BLOCK_P=BLOCK_P_DEFAULT, K_HELD=K, BLOCK_K=max(16, next_pow2(K)), ROW_OF=row_of is not None,
-        num_warps=4,
+        G=Hq // Hkv, D=D, BLOCK_D=max(16, next_pow2(D)), PAGE=int(page), BLOCK_P=int(block_p), K_HELD=K, BLOCK_K=max(16, next_pow2(K)),
+        ROW_OF=row_of is not None, num_warps=num_warps,
     )
     return out
 
