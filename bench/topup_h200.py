@@ -6,8 +6,8 @@ Run on the device machine from the repo root (torch and Triton only, no SGLang):
 Qwen3-4B's attention shape (32 query heads, 8 KV heads, head dim 128, bf16). A request holds
 sinks 4, a selection of 1536 positions in [4, window start) (the top-up's engines' budget:
 bench/speed_h200.py's -topup) and a window of 256; the top-up reads 32 pages of 16.
-  1. checks: kernels.page_scores and drop_held against their float64 references (4K
-     context, 3 rows, memory rows), and fast_decode with the chosen pages against float64
+  1. checks: kernels.page_scores, pick_pages (against torch.topk) and drop_held (one layer,
+     and three in one launch) against their references (4K context, 3 rows, memory rows), and fast_decode with the chosen pages against float64
      attention over the same positions, on the packed and the in-place (triton-pool) paths;
   2. timing at 32K and 128K, batch 1 and 8, CUDA events, median of the replays of a CUDA
      graph of 8 layer calls (repeated to ~3 ms: kernels_h200.bench_graph), each layer its own K/V cache (so no layer finds another's

@@ -178,7 +178,9 @@ def page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start,
     """Scores [B, H_kv, max_pages] float32 of the pages of `page` tokens from lo (see the
     module doc): -inf past a row's whole pages in [lo, min(win_start, seq_len)) and on
     pages holding a position of held [rows, H_kv, K] (-1 padded; by memory row, row_of
-    [slots] int32 when given, else by slot). q [B, H_q, D]; win_start [B] per batch row."""
+    [slots] int32 when given, else by slot). q [B, H_q, D]; win_start [B] per batch row.
+    block_p pages per program and num_warps: the defaults are within 3% of the best measured
+    (bench/NOTES.md section 53)."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     if out is None:
@@ -199,8 +201,8 @@ def page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start,
         row_of if row_of is not None else req_pool_indices, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
         held.stride(0), held.stride(1), out.stride(0), out.stride(1), int(lo), int(max_pages),
-        G=Hq // Hkv, D=D, BLOCK_D=max(16, next_pow2(D)), PAGE=int(page), BLOCK_P=int(block_p), K_HELD=K, BLOCK_K=max(16, next_pow2(K)),
-        ROW_OF=row_of is not None, num_warps=num_warps,
+        G=Hq // Hkv, D=D, BLOCK_D=max(16, next_pow2(D)), PAGE=int(page), BLOCK_P=int(block_p), K_HELD=K,
+        BLOCK_K=max(16, next_pow2(K)), ROW_OF=row_of is not None, num_warps=num_warps,
     )
     return out
 
