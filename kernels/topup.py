@@ -87,6 +87,17 @@ def _page_scores_kernel(
 
 
 @triton.jit
+def _digit_hist(o, inb, prefix, p: tl.constexpr):
+    """The 256-bin histogram of radix pass p's digit (8 bits, from the top) of the ordered
+    keys o in bounds whose higher digits equal prefix."""
+    if p == 0:
+        match = inb
+    else:
+        match = inb & ((o >> (32 - 8 * p)) == prefix)
+    return tl.histogram(((o >> (24 - 8 * p)) & 255).to(tl.int32), 256, mask=match)
+
+
+@triton.jit
 def _next_digit(acc, prefix, r, offs_b):
     """After a pass's 256-bin histogram acc of the keys still matching prefix: prefix with
     the bin of the r-th largest appended, and r less the keys in the bins above it."""
@@ -114,24 +125,14 @@ def _pick_pages_kernel(Scores, Out, Seq_lens, Win_start, stride_sb, stride_sh, s
         inb = offs < n
         o = _ordered(tl.load(base + offs, mask=inb, other=float("-inf")))
         for p in tl.static_range(4):
-            if p == 0:
-                match = inb
-            else:
-                match = inb & ((o >> (32 - 8 * p)) == prefix)
-            acc = tl.histogram(((o >> (24 - 8 * p)) & 255).to(tl.int32), 256, mask=match)
-            prefix, r = _next_digit(acc, prefix, r, offs_b)
+            prefix, r = _next_digit(_digit_hist(o, inb, prefix, p), prefix, r, offs_b)
     else:
         for p in tl.static_range(4):
             acc = tl.zeros([256], tl.int32)
             for n0 in range(0, n, BLOCK):
                 offs = n0 + tl.arange(0, BLOCK)
                 inb = offs < n
-                o = _ordered(tl.load(base + offs, mask=inb, other=float("-inf")))
-                if p == 0:
-                    match = inb
-                else:
-                    match = inb & ((o >> (32 - 8 * p)) == prefix)
-                acc += tl.histogram(((o >> (24 - 8 * p)) & 255).to(tl.int32), 256, mask=match)
+                acc += _digit_hist(_ordered(tl.load(base + offs, mask=inb, other=float("-inf"))), inb, prefix, p)
             prefix, r = _next_digit(acc, prefix, r, offs_b)
     all_taken = n <= P  # then every finite key is taken (the passes found no bin)
     t = tl.where(all_taken, 0x007FFFFF, prefix)  # 0x007FFFFF: -inf's ordered bits, never taken
