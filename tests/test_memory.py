@@ -7,6 +7,7 @@ tensors) against the reference path on the same inputs. Also the fused Triton Se
 Small shapes, fresh random inputs, ragged lengths, GQA groups 1/3/4.
 """
 
+import dataclasses
 import math
 import os
 import pathlib
@@ -263,6 +264,20 @@ def test_topup_every_n_layers_reuses_the_groups_pages():
     step = StepTopUp(mem, cfg)
     for lid, want in {1: first, **got}.items():
         assert torch.equal(step.pages(lid, qs[lid], *args), want)
+    # a dense layer inside a group (3 here, one group of 8): its memory row sits between the
+    # group's others and is skipped; each later layer drops what it holds, as the host path does
+    mid = dataclasses.replace(cfg, dense_layers=(3,), topup_every=8)
+    start = layer_pages(mem, 0, mid, qs[0], *args)
+    h, j = (int(i) for i in (layer_pages(mem, 5, mid, qs[5], *args, group=start)[0] >= 0).nonzero()[0])
+    pos4 = pos.clone()  # layer 4 holds a page of the group's that 3 and 5 keep
+    pos4[0, h, 0] = 4 + int(start[0, h, j]) * 8
+    pos4[0, h] = pos4[0, h].sort().values
+    mem.store(4, st["rpi"], pos4, cnt, ws, st["k"], st["v"], st["rtt"])
+    step = StepTopUp(mem, mid)
+    assert torch.equal(step.pages(0, qs[0], *args), start)
+    for lid in (1, 2, 4, 5):
+        assert torch.equal(step.pages(lid, qs[lid], *args), layer_pages(mem, lid, mid, qs[lid], *args, group=start))
+    assert int(step.pages(4, qs[4], *args)[0, h, j]) == -1 and int(step.pages(5, qs[5], *args)[0, h, j]) >= 0
 
 
 @pytest.mark.parametrize("fast_path", ["reference", "triton", "triton-pool"])

@@ -58,15 +58,16 @@ class StepTopUp:
         self.memory, self.cfg = memory, cfg
         sparse = [lid for lid in cfg.sparse_layers(memory.num_layers) if lid in memory.layer_index]
         self._first = sparse[0] if sparse else None
-        self._later: dict[int, object] = {}   # a group's first layer -> the others' rows of sel_pos
-        self._slot: dict[int, int] = {}       # a later layer -> its index among them
+        # a group's first layer -> the span of sel_pos rows of its later layers (a view: a row
+        # between them that no sparse layer reads, a dense layer's, is dropped for nothing);
+        # a later layer -> its index in that span
+        self._later: dict[int, Optional[slice]] = {}
+        self._slot: dict[int, int] = {}
         e = cfg.topup_every
         for k in range(0, len(sparse), e):
             lis = [memory.layer_index[lid] for lid in sparse[k + 1:k + e]]
-            contiguous = lis == list(range(lis[0], lis[0] + len(lis))) if lis else True
-            self._later[sparse[k]] = (slice(lis[0], lis[-1] + 1) if lis and contiguous else
-                                      torch.tensor(lis, dtype=torch.long, device=memory.device) if lis else None)
-            self._slot.update({lid: i for i, lid in enumerate(sparse[k + 1:k + e])})
+            self._later[sparse[k]] = slice(lis[0], lis[-1] + 1) if lis else None
+            self._slot.update({lid: li - lis[0] for lid, li in zip(sparse[k + 1:k + e], lis)})
         self._rows = None    # (req_pool_indices as int64, their window starts) of this step
         self._group = None   # [group's later layers, B, H_kv, P]: their pages this step
 
