@@ -7,8 +7,9 @@ Qwen3-4B's attention shape (32 query heads, 8 KV heads, head dim 128, bf16). A r
 sinks 4, a selection of 1536 positions in [4, window start) (the top-up's engines' budget:
 bench/speed_h200.py's -topup) and a window of 256; the top-up reads 32 pages of 16.
   1. checks: kernels.page_scores, pick_pages (against torch.topk) and drop_held (one layer,
-     and three in one launch) against their references (4K context, 3 rows, memory rows), and fast_decode with the chosen pages against float64
-     attention over the same positions, on the packed and the in-place (triton-pool) paths;
+     and three in one launch) against their references (4K context, 3 rows, memory rows),
+     and fast_decode with the chosen pages against float64 attention over the same
+     positions, on the packed and the in-place (triton-pool) paths;
   2. timing at 32K and 128K, batch 1 and 8, CUDA events, median of the replays of a CUDA
      graph of 8 layer calls (repeated to ~3 ms: kernels_h200.bench_graph), each layer its own K/V cache (so no layer finds another's
      keys in L2): fast_decode over 2048 held (what `sfi` reads), the top-up's choice
