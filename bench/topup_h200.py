@@ -16,7 +16,12 @@ bench/speed_h200.py's -topup) and a window of 256; the top-up reads 32 pages of 
      (page_scores + pick_pages; page_scores alone; pick_pages alone; page_scores + torch.topk, the
      choice before pick_pages), drop_held per layer and for a group's 7 other layers in one launch,
      fast_decode over 1536 held + the 32 pages; page_scores over tiles of 4, 8 and 16 pages
-     per program with 2 to 8 warps.
+     per program with 2 to 8 warps;
+  3. the pool pages' key summaries (kernels.summarize_pages; SGLang's --page-size 16: the
+     same caches through a req_to_token of whole pool pages, the top-up's pages from 16, the
+     first page boundary past the sinks): checked against the reference and the keys, then
+     the scores and the choice from them (tiles of 8 to 64 pages), the keys' scores on that
+     layout, and one decode step's summary writes (B slots per layer).
 Writes topup_h200.json.
 """
 
@@ -37,6 +42,7 @@ sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))  # after a lai
 from sfi_sglang import kernels as K  # noqa: E402
 
 HQ, HKV, D, S, W, PAGE, PAGES = 32, 8, 128, 4, 256, 16, 32
+LO = -(-S // PAGE) * PAGE  # the top-up's pages on the pool's page boundaries (summaries)
 
 
 def state(B, n, held_k, layers=1, dev=DEV, seed=0):
@@ -47,13 +53,15 @@ def state(B, n, held_k, layers=1, dev=DEV, seed=0):
     tokens = B * n
     perm = torch.randperm(tokens, generator=g).int()
     r2t = perm.view(B, n).to(dev)
+    pages = torch.randperm(tokens // PAGE, generator=g)  # the same slots in whole pool pages (--page-size)
+    r2t_paged = (pages.view(B, n // PAGE, 1) * PAGE + torch.arange(PAGE)).view(B, n).int().to(dev)
     caches = [(torch.randn(tokens, HKV, D, device=dev, dtype=DTYPE),
                torch.randn(tokens, HKV, D, device=dev, dtype=DTYPE)) for _ in range(layers)]
     ws = torch.full((B,), n - W, dtype=torch.int64, device=dev)
     held = torch.stack([torch.stack([(torch.randperm(n - W - S, generator=g)[:held_k] + S).sort().values
                                      for _ in range(HKV)]) for _ in range(B)]).int().to(dev)
     q = torch.randn(B, HQ, D, device=dev, dtype=DTYPE)
-    return dict(r2t=r2t, caches=caches, ws=ws, held=held, q=q, rpi=torch.arange(B, device=dev),
+    return dict(r2t=r2t, r2t_paged=r2t_paged, caches=caches, ws=ws, held=held, q=q, rpi=torch.arange(B, device=dev),
                 seq_lens=torch.full((B,), n, dtype=torch.int32, device=dev),
                 packed_len=torch.full((B,), S + held_k, dtype=torch.int32, device=dev),
                 n_sinks=torch.full((B,), S, dtype=torch.int32, device=dev))
@@ -101,7 +109,18 @@ def checks() -> dict:
         without = K.ref_fast_decode(*base, *mem, st["packed_len"], D ** -0.5, **kw)
         res[f"fast_{name}_topup_changes_output"] = float((torch.linalg.vector_norm(without - want)
                                                           / torch.linalg.vector_norm(want)).item())
-    res["ok"] = (res["scores_inf_equal"] and res["scores_max_rel_err"] < 1e-5 and res["chosen_are_top"]
+    summ = torch.full((st["r2t"].numel() // PAGE, HKV, 2, D), float("nan"), dtype=DTYPE, device=DEV)
+    locs = st["r2t_paged"][:, :4000].reshape(-1).contiguous()  # every row's extend, the last page partial
+    K.summarize_pages(kc, summ, locs, PAGE)
+    want = K.ref_summarize_pages(kc, torch.full_like(summ, float("nan")), locs, PAGE)
+    res["summ_equal_reference"] = bool(torch.equal(summ.isnan(), want.isnan())
+                                       and torch.equal(summ.nan_to_num(), want.nan_to_num()))
+    K.summarize_pages(kc, summ, st["r2t_paged"][:, 4000:].reshape(-1).contiguous(), PAGE)
+    pargs = (st["q"], kc, st["r2t_paged"], st["rpi"], st["seq_lens"], st["ws"], held_rows, LO, PAGE, 4096 // PAGE)
+    keyed = K.page_scores(*pargs, row_of=row_of)
+    from_summ = K.page_scores(*pargs, row_of=row_of, summ=summ)
+    res["summ_scores_equal_keys"] = bool(torch.equal(keyed, from_summ))
+    res["ok"] = (res["summ_equal_reference"] and res["summ_scores_equal_keys"] and res["scores_inf_equal"] and res["scores_max_rel_err"] < 1e-5 and res["chosen_are_top"]
                  and res["chosen_equal_reference"] and res["drop_held_equal"] and res["drop_held_group_equal"]
                  and res["fast_packed_rel_err"] < 2e-2 and res["fast_in_place_rel_err"] < 2e-2)
     return res
@@ -176,6 +195,30 @@ def timing(n: int, B: int, layers: int = 8) -> dict:
     def drop_group():
         K.drop_held(fixed[0], st["rpi"], later, S, PAGE)
 
+    summs = []
+    for kc, _ in st["caches"]:
+        summs.append(torch.empty((B * n // PAGE, HKV, 2, D), dtype=DTYPE, device=DEV))
+        K.summarize_pages(kc, summs[-1], st["r2t_paged"].reshape(-1).contiguous(), PAGE)
+    r2p = st["r2t_paged"]
+
+    def scores_paged(summ_on, block_p=8, warps=4):  # the paged layout, from the keys or the summaries
+        def f():
+            for (kc, _), sm in zip(st["caches"], summs):
+                K.page_scores(st["q"], kc, r2p, st["rpi"], st["seq_lens"], st["ws"], sel, LO, PAGE, maxp,
+                              summ=sm if summ_on else None, block_p=block_p, num_warps=warps)
+        return f
+
+    def choose_summ():
+        for (kc, _), sm in zip(st["caches"], summs):
+            K.choose_topup(st["q"], kc, r2p, st["rpi"], st["seq_lens"], st["ws"], sel, LO, PAGE, PAGES, maxp,
+                           summ=sm)
+
+    step_locs = r2p[:, n - 1].contiguous()  # one decode step's writes (each ends its page: 16 keys read)
+
+    def summarize_step():
+        for (kc, _), sm in zip(st["caches"], summs):
+            K.summarize_pages(kc, sm, step_locs, PAGE)
+
     res = {"context": n, "batch": B, "layers_per_graph": layers,
            "fast_2048_us": graph_time(fast(sel_full, plen_full)) / layers,
            "choose_us": graph_time(choose) / layers,
@@ -188,6 +231,12 @@ def timing(n: int, B: int, layers: int = 8) -> dict:
     # bytes: K of [S, n - W) per (row, KV head) for the choice; (S + 2048 + W) K/V rows for the fast step
     res["scores_us_by_tile_and_warps"] = {f"{bp}x{w}": graph_time(scores_with(bp, w)) / layers
                                           for bp, w in ((4, 2), (4, 4), (8, 4), (8, 8), (16, 8))}
+    res["scores_paged_keys_us"] = graph_time(scores_paged(False)) / layers
+    res["summ_scores_us_by_tile_and_warps"] = {f"{bp}x{w}": graph_time(scores_paged(True, bp, w)) / layers
+                                               for bp, w in ((8, 4), (16, 4), (32, 4), (32, 8), (64, 8))}
+    res["choose_summ_us"] = graph_time(choose_summ) / layers
+    res["summarize_step_us"] = graph_time(summarize_step) / layers
+    res["summ_bytes"] = B * HKV * ((n - W - LO) // PAGE) * 2 * D * 2
     res["choose_bytes"] = B * HKV * (n - W - S) * D * 2
     res["choose_tb_s"] = res["choose_bytes"] / res["choose_us"] / 1e6
     res["scores_tb_s"] = res["choose_bytes"] / res["scores_us"] / 1e6

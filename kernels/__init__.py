@@ -11,7 +11,7 @@ import importlib
 
 from .reference import (ref_dense_decode_with_scores, ref_fast_decode, ref_pack,  # noqa: F401
                         ref_store_key_norms, page_bounds, extra_positions, ref_page_scores,
-                        ref_drop_held)
+                        ref_drop_held, ref_summarize_pages, summary_bounds)
 
 # public name -> the submodule that defines it
 _LAZY = {
@@ -20,7 +20,7 @@ _LAZY = {
     "fused_topk_key": "selector", "dense_decode": "slow_decode",
     "dense_decode_with_scores": "slow_decode", "topk_positions": "topk",
     "set_batch_invariant": "_common", "page_scores": "topup", "choose_pages": "topup",
-    "choose_topup": "topup", "drop_held": "topup", "pick_pages": "topup",
+    "choose_topup": "topup", "drop_held": "topup", "pick_pages": "topup", "summarize_pages": "topup",
 }
 
 
@@ -37,4 +37,4 @@ def __getattr__(name):
 
 
 __all__ = [*_LAZY, "ref_fast_decode", "ref_dense_decode_with_scores", "ref_pack", "ref_store_key_norms",
-           "page_bounds", "extra_positions", "ref_page_scores", "ref_drop_held"]
+           "page_bounds", "extra_positions", "ref_page_scores", "ref_drop_held", "ref_summarize_pages", "summary_bounds"]

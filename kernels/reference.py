@@ -107,7 +107,12 @@ def page_bounds(q, keys, lo: int, num_pages: int, page: int) -> torch.Tensor:
     max over the group's query heads q [H, G, D] of sum_d max(q_d * kmin_d, q_d * kmax_d),
     an upper bound of q.k on the page (keys [n, H, D], the request's), in q's dtype."""
     blk = keys[lo: lo + num_pages * page].to(q.dtype).reshape(num_pages, page, *keys.shape[1:])
-    kmin, kmax = blk.amin(dim=1), blk.amax(dim=1)  # [P, H, D]
+    return summary_bounds(q, blk.amin(dim=1), blk.amax(dim=1))
+
+
+def summary_bounds(q, kmin, kmax) -> torch.Tensor:
+    """page_bounds from the pages' per-channel key minima and maxima kmin, kmax [P, H, D]."""
+    kmin, kmax = kmin.to(q.dtype), kmax.to(q.dtype)
     qf = q[:, :, None, :]  # [H, G, 1, D]
     bound = torch.maximum(qf * kmin.transpose(0, 1)[:, None], qf * kmax.transpose(0, 1)[:, None])
     return bound.sum(-1).amax(dim=1)
@@ -122,10 +127,31 @@ def _held_pages(held, lo: int, page: int, num_pages: int) -> torch.Tensor:
     return hit.scatter_(1, torch.where(inside, (held - lo) // page, num_pages), True)
 
 
+def ref_summarize_pages(k_cache, summ, locs, page, **_ignored):
+    """Reference of topup.summarize_pages: each slot of locs [n] (slots just written, a
+    request's in order) that ends its page or a run of consecutive slots in locs writes
+    its pool page's per-channel key minimum and maximum over the page's slots up to it
+    into summ [slots // page, H, 2, D] (in place)."""
+    locs = locs.long()
+    nxt = torch.cat([locs[1:], locs.new_full((1,), -1)])
+    last = ((locs + 1) % page == 0) | (nxt != locs + 1)
+    locs = locs[last]
+    first = locs // page * page
+    slots = first[:, None] + torch.arange(page, device=locs.device)  # [n, page]
+    keys = k_cache[slots.clamp_max(k_cache.shape[0] - 1)].to(torch.float64)  # [n, page, H, D]
+    upto = (slots <= locs[:, None])[:, :, None, None]
+    kmin = keys.masked_fill(~upto, math.inf).amin(1)
+    kmax = keys.masked_fill(~upto, -math.inf).amax(1)
+    summ[locs // page] = torch.stack([kmin, kmax], 2).to(summ.dtype)
+    return summ
+
+
 def ref_page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held, lo, page,
-                    max_pages, row_of=None, out=None, compute_dtype=torch.float64, **_ignored):
+                    max_pages, row_of=None, out=None, compute_dtype=torch.float64, summ=None, **_ignored):
     """Reference of topup.page_scores: per row, page_bounds of the whole pages of
-    [lo, min(win_start, seq_len)), -inf past them and on pages holding a held position."""
+    [lo, min(win_start, seq_len)), -inf past them and on pages holding a held position;
+    from the pool pages' summaries summ [slots // page, H, 2, D] when given (lo a
+    multiple of page, each request's pages whole pool pages)."""
     if row_of is not None:
         held = held[row_of.long()]
     B, Hq, D = q.shape
@@ -136,8 +162,12 @@ def ref_page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_st
         n = min(max(hi - lo, 0) // page, max_pages)
         if n == 0:
             continue
-        keys = k_cache[req_to_token[pool, :lo + n * page].long()]
-        score = page_bounds(q[b].to(compute_dtype).view(Hkv, Hq // Hkv, D), keys, lo, n, page)
+        qb = q[b].to(compute_dtype).view(Hkv, Hq // Hkv, D)
+        if summ is None:
+            score = page_bounds(qb, k_cache[req_to_token[pool, :lo + n * page].long()], lo, n, page)
+        else:
+            sp = summ[req_to_token[pool, lo:lo + n * page:page].long() // page]  # [n, H, 2, D]
+            score = summary_bounds(qb, sp[:, :, 0], sp[:, :, 1])
         res[b, :, :n] = score.masked_fill(_held_pages(held[pool], lo, page, n)[:, :n], float("-inf"))
     return _finish(res, out)
 

@@ -48,12 +48,33 @@ def _held_pages(Held, mrow, h, stride_hr, stride_hh, lo, PAGE: tl.constexpr, K_H
 
 
 @triton.jit
+def _summarize_kernel(K_cache, Summ, Locs, n, stride_kcs, stride_kch, stride_mp, stride_mh, stride_mk,
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr):
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    loc = tl.load(Locs + i).to(tl.int64)
+    nxt = tl.load(Locs + i + 1, mask=i + 1 < n, other=-1).to(tl.int64)
+    if ((loc + 1) % PAGE == 0) | (nxt != loc + 1):  # the last of its page or of its run writes the page
+        first = loc // PAGE * PAGE
+        offs_j = tl.arange(0, PAGE)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = ((first + offs_j) <= loc)[:, None] & (offs_d < D)[None, :]
+        k = tl.load(K_cache + (first + offs_j)[:, None] * stride_kcs + h * stride_kch + offs_d[None, :],
+                    mask=mask, other=0.0)
+        kmin = tl.min(tl.where(mask, k, float("inf")), axis=0)
+        kmax = tl.max(tl.where(mask, k, float("-inf")), axis=0)
+        out = Summ + (loc // PAGE) * stride_mp + h * stride_mh + offs_d
+        tl.store(out, kmin.to(Summ.dtype.element_ty), mask=offs_d < D)
+        tl.store(out + stride_mk, kmax.to(Summ.dtype.element_ty), mask=offs_d < D)
+
+
+@triton.jit
 def _page_scores_kernel(
-    Q, K_cache, Req_to_token, Req_pool_indices, Seq_lens, Win_start, Held, Row_of, Scores,
-    stride_qb, stride_qh, stride_kcs, stride_kch, stride_rt, stride_hr, stride_hh, stride_sb, stride_sh,
-    lo, max_pages,
+    Q, K_cache, Summ, Req_to_token, Req_pool_indices, Seq_lens, Win_start, Held, Row_of, Scores,
+    stride_qb, stride_qh, stride_kcs, stride_kch, stride_mp, stride_mh, stride_mk, stride_rt, stride_hr,
+    stride_hh, stride_sb, stride_sh, lo, max_pages,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr,
-    K_HELD: tl.constexpr, BLOCK_K: tl.constexpr, ROW_OF: tl.constexpr,
+    K_HELD: tl.constexpr, BLOCK_K: tl.constexpr, ROW_OF: tl.constexpr, SUMM: tl.constexpr,
 ):
     # one tile of BLOCK_P pages per program: many small programs keep many gathers in
     # flight (a loop over tiles waited on each one's latency: 0.6 TB/s on an H200)
@@ -69,12 +90,19 @@ def _page_scores_kernel(
         mrow = _memory_row(Row_of, pool, ROW_OF)
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
-        pos = lo + offs_p[:, None] * PAGE + tl.arange(0, PAGE)[None, :]
-        slot = tl.load(Req_to_token + pool * stride_rt + pos, mask=valid[:, None], other=0).to(tl.int64)
-        k = tl.load(K_cache + slot[:, :, None] * stride_kcs + h * stride_kch + offs_d[None, None, :],
-                    mask=valid[:, None, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
-        kmin = tl.min(k, axis=1)
-        kmax = tl.max(k, axis=1)
+        if SUMM:  # the pool page of each page's first slot: its summary, 1/PAGE of the keys' bytes x 2
+            slot = tl.load(Req_to_token + pool * stride_rt + lo + offs_p * PAGE, mask=valid, other=0).to(tl.int64)
+            summ = Summ + (slot // PAGE)[:, None] * stride_mp + h * stride_mh + offs_d[None, :]
+            mask = valid[:, None] & mask_d[None, :]
+            kmin = tl.load(summ, mask=mask, other=0.0).to(tl.float32)
+            kmax = tl.load(summ + stride_mk, mask=mask, other=0.0).to(tl.float32)
+        else:
+            pos = lo + offs_p[:, None] * PAGE + tl.arange(0, PAGE)[None, :]
+            slot = tl.load(Req_to_token + pool * stride_rt + pos, mask=valid[:, None], other=0).to(tl.int64)
+            k = tl.load(K_cache + slot[:, :, None] * stride_kcs + h * stride_kch + offs_d[None, None, :],
+                        mask=valid[:, None, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
+            kmin = tl.min(k, axis=1)
+            kmax = tl.max(k, axis=1)
         best = tl.full([BLOCK_P], float("-inf"), tl.float32)
         for g in tl.static_range(G):
             qg = tl.load(Q + b * stride_qb + (h * G + g) * stride_qh + offs_d, mask=mask_d, other=0.0).to(tl.float32)
@@ -174,36 +202,64 @@ def _drop_held_kernel(Pages, Out, Req_pool_indices, Held, Row_of, stride_pb, str
              mask=offs < P)
 
 
+def summarize_pages(k_cache, summ, locs, page: int):
+    """Keep the pool pages' key summaries after keys were written at locs [n] (slots, a
+    request's in order, as out_cache_loc lists them; the pool allocated in pages of `page`
+    slots, so a request's pages are whole pool pages): each slot that ends its page or a
+    run of consecutive slots in locs writes its page's per-channel key minimum and maximum
+    over the page's slots up to it into summ [slots // page, H_kv, 2, D] (k_cache's dtype:
+    exact). One launch; a decode step's and an extend's writes alike."""
+    n = locs.shape[0]
+    if n == 0:
+        return summ
+    if not use_triton(k_cache):
+        from .reference import ref_summarize_pages
+
+        return ref_summarize_pages(k_cache, summ, locs, page)
+    assert page & (page - 1) == 0 and k_cache.stride(2) == 1 and summ.stride(3) == 1
+    H, D = k_cache.shape[1], k_cache.shape[2]
+    _summarize_kernel[(n, H)](k_cache, summ, locs, n, k_cache.stride(0), k_cache.stride(1), summ.stride(0),
+                              summ.stride(1), summ.stride(2), D=D, BLOCK_D=max(16, next_pow2(D)), PAGE=int(page),
+                              num_warps=4)
+    return summ
+
+
 def page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held, lo: int, page: int,
-                max_pages: int, row_of=None, out=None, block_p: int = BLOCK_P_DEFAULT, num_warps: int = 4):
+                max_pages: int, row_of=None, out=None, summ=None, block_p: int = BLOCK_P_DEFAULT,
+                num_warps: int = 4):
     """Scores [B, H_kv, max_pages] float32 of the pages of `page` tokens from lo (see the
     module doc): -inf past a row's whole pages in [lo, min(win_start, seq_len)) and on
     pages holding a position of held [rows, H_kv, K] (-1 padded; by memory row, row_of
     [slots] int32 when given, else by slot). q [B, H_q, D]; win_start [B] per batch row.
-    block_p pages per program and num_warps: the defaults are within 3% of the best measured
-    (bench/NOTES.md section 53)."""
+    summ: the pool pages' key summaries (summarize_pages; lo a multiple of page), read in
+    place of the keys. block_p pages per program and num_warps: the defaults are within 3%
+    of the best measured on keys (bench/NOTES.md section 53)."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     if out is None:
         out = torch.empty((B, Hkv, max_pages), dtype=torch.float32, device=q.device)
     if B == 0 or max_pages == 0:
         return out
+    assert summ is None or lo % page == 0, f"summaries need pages aligned to the pool's: lo {lo}, page {page}"
     if not use_triton(q):
         from .reference import ref_page_scores
 
         return ref_page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held, lo,
-                               page, max_pages, row_of=row_of, out=out, compute_dtype=torch.float32)
+                               page, max_pages, row_of=row_of, out=out, compute_dtype=torch.float32, summ=summ)
     assert page & (page - 1) == 0, f"the top-up's page ({page}) must be a power of two"
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and held.stride(2) == 1 and out.stride(2) == 1
+    assert summ is None or summ.stride(3) == 1
+    sm = summ if summ is not None else k_cache
     K = held.shape[2]
     grid = (B, Hkv, triton.cdiv(max_pages, block_p))
     _page_scores_kernel[grid](
-        q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held,
+        q, k_cache, sm, req_to_token, req_pool_indices, seq_lens, win_start, held,
         row_of if row_of is not None else req_pool_indices, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), sm.stride(0), sm.stride(1),
+        sm.stride(2) if summ is not None else 0, req_to_token.stride(0),
         held.stride(0), held.stride(1), out.stride(0), out.stride(1), int(lo), int(max_pages),
         G=Hq // Hkv, D=D, BLOCK_D=max(16, next_pow2(D)), PAGE=int(page), BLOCK_P=int(block_p), K_HELD=K,
-        BLOCK_K=max(16, next_pow2(K)), ROW_OF=row_of is not None, num_warps=num_warps,
+        BLOCK_K=max(16, next_pow2(K)), ROW_OF=row_of is not None, SUMM=summ is not None, num_warps=num_warps,
     )
     return out
 
@@ -243,11 +299,11 @@ def pick_pages(scores, pages: int, seq_lens, win_start, lo: int, page: int, out=
 
 
 def choose_topup(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held, lo: int, page: int,
-                pages: int, max_pages: int, row_of=None):
+                pages: int, max_pages: int, row_of=None, summ=None):
     """The top-up of one fast step at one layer: page indices [B, H_kv, pages] int32 from
-    lo (-1: none); page_scores then pick_pages."""
+    lo (-1: none); page_scores (from the summaries summ when given) then pick_pages."""
     scores = page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held, lo, page,
-                         max_pages, row_of=row_of)
+                         max_pages, row_of=row_of, summ=summ)
     return pick_pages(scores, pages, seq_lens, win_start, lo, page)
 
 

@@ -267,6 +267,62 @@ def test_topup_page_scores_and_choice(rows):
                                                  row_of=st["row_of"]))
 
 
+def test_page_summaries_kept_as_the_kv_grows_score_as_the_keys_do():
+    """summarize_pages over a pool allocated in pages (SGLang's --page-size): written by
+    chunked extends (one ending mid-page, the next going on from it) then decode steps,
+    each pool page's summary is its written keys' exact per-channel min/max; page_scores
+    from the summaries equals page_scores from the keys (pages aligned to the pool's)."""
+    S, W, Kc, page = 8, 40, 20, 8
+    seq_lens = [300, 41, 203]
+    st = _topup_state(seq_lens, S, W, Kc, 48, page, rows=True, seed=3)
+    gen, Hkv, D = st["gen"], st["k_cache"].shape[1], st["k_cache"].shape[2]
+    grow = 9  # decode steps after the extends
+    need = [-(-(n + grow) // page) for n in seq_lens]
+    pool_pages = sum(need) + 5
+    order = torch.randperm(pool_pages, generator=gen)
+    r2t = torch.zeros_like(st["req_to_token"].cpu())
+    first = 0
+    for b, n in enumerate(seq_lens):
+        pos = torch.arange(r2t.shape[1])
+        pg = order[first:first + need[b]]
+        r2t[int(st["req_pool_indices"][b])] = (pg[(pos // page).clamp_max(need[b] - 1)] * page + pos % page).int()
+        first += need[b]
+    r2t = r2t.to(DEV)
+    k_cache = torch.randn(pool_pages * page, Hkv, D, generator=gen).to(DEV)
+    summ = torch.full((pool_pages, Hkv, 2, D), float("nan"), device=DEV)
+    rpi = st["req_pool_indices"]
+
+    def locs(spans):  # out_cache_loc of one forward: each row's positions [a, b), in row order
+        return torch.cat([r2t[int(rpi[b]), a:e] for b, (a, e) in enumerate(spans)]).contiguous()
+
+    split = [37, 20, 128]  # 37 and 20 end mid-page
+    K.summarize_pages(k_cache, summ, locs([(0, a) for a in split]), page)
+    K.summarize_pages(k_cache, summ, locs([(a, n) for a, n in zip(split, seq_lens)]), page)
+    for t in range(grow):
+        K.summarize_pages(k_cache, summ, locs([(n + t, n + t + 1) for n in seq_lens]), page)
+    want = torch.full_like(summ, float("nan"))
+    K.ref_summarize_pages(k_cache, want, locs([(0, n + grow) for n in seq_lens]), page)
+    for b, n in enumerate(seq_lens):
+        for p in range(need[b]):
+            slots = r2t[int(rpi[b]), p * page:min((p + 1) * page, n + grow)].long()
+            keys = k_cache[slots]
+            sp = int(slots[0]) // page
+            assert torch.equal(summ[sp, :, 0], keys.amin(0)) and torch.equal(summ[sp, :, 1], keys.amax(0))
+            assert torch.equal(want[sp], summ[sp])
+    lens = st["seq_lens"] + grow
+    win = st["win_start"] + grow
+    args = (st["q"], k_cache, r2t, rpi, lens, win, st["held"], S, page, st["max_pages"])
+    keyed = K.page_scores(*args, row_of=st["row_of"])
+    got = K.page_scores(*args, row_of=st["row_of"], summ=summ)
+    ref = K.ref_page_scores(*args, row_of=st["row_of"], summ=summ)
+    assert (~keyed.isinf()).sum() > 30 and torch.equal(got.isinf(), keyed.isinf())
+    fin = ~keyed.isinf()
+    assert (got[fin] - keyed[fin]).abs().max() < 1e-5 * keyed[fin].abs().max()
+    assert (got[fin].double() - ref[fin]).abs().max() < 1e-4 * ref[fin].abs().max()
+    with pytest.raises(AssertionError, match="aligned"):
+        K.page_scores(*args[:7], S - 1, *args[8:], summ=summ)
+
+
 @pytest.mark.parametrize("ties,block_max", [(False, 8192), (True, 8192), (True, 1024)])
 def test_pick_pages_is_an_exact_top_k_of_each_rows_pages(ties, block_max, monkeypatch):
     """kernels.pick_pages: per (row, KV head), the `take` largest scores among the row's own
