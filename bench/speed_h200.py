@@ -43,6 +43,8 @@ Two parts, one process:
      ...-topup      any sfi engine with the per-step top-up: 32 pages of 16 chosen per step
                     and layer, the budget 1536 (the same tokens read as sfi's 2048)
      ...-every8-topup  the same with the pages chosen at every 8th sparse layer (--sfi-topup-every 8)
+     ...-p16        any engine with --page-size 16 (SGLang's pool in pages of 16: with a top-up, its
+                    scores read the pool pages' key summaries; before -fp8 where both)
 
 CONTEXTxmax: each engine at the largest batch its own KV pool holds. The engine captures
 decode graphs at 1, 8 and steps of an eighth of an upper bound on that batch (the
@@ -358,6 +360,9 @@ def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) 
     if name.endswith("-fp8"):  # SGLang's fp8 KV cache (unit scales)
         kw["kv_cache_dtype"] = "fp8_e4m3"
         name = name[:-len("-fp8")]
+    if name.endswith("-p16"):  # SGLang's pool in pages of 16 (--page-size 16): the top-up's page summaries
+        kw["page_size"] = 16
+        name = name[:-len("-p16")]
     if name.endswith("-rows"):  # memory rows for half the batch (--sfi-memory-rows): the rest run dense
         kw["sfi_memory_rows"] = max(1, batch // 2)
         name = name[:-len("-rows")]

@@ -6,7 +6,9 @@ dense output; a ~1.5K-token essay prompt (past S+W+K) must decode mostly in fast
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,8 +77,9 @@ def engine(dense, trace_file):
     # there crashes the scheduler, and the tests below fail
     os.environ.update({"SFI_SGLANG_PLUGIN_TRACE": str(trace_file), SYNC_GUARD_ENV: "1"})
     try:
-        # a memory per slot: short prompts run SFI; the top-up on the device path, under the guard
-        engine = start_engine(**SFI, sfi_memory_rows=0, sfi_topup_pages=2)
+        # a memory per slot: short prompts run SFI; the top-up on the device path, under the
+        # guard, from page summaries (SGLang's pool in pages of the top-up's 16 tokens)
+        engine = start_engine(**SFI, sfi_memory_rows=0, sfi_topup_pages=2, page_size=16)
     finally:
         del os.environ["SFI_SGLANG_PLUGIN_TRACE"], os.environ[SYNC_GUARD_ENV]
     yield engine
@@ -131,6 +134,19 @@ def test_long_prompt_mostly_fast_and_slow_steps_where_policy_says(engine, dense,
     agree = sum(a == b for a, b in zip(ids, ref)) / max(len(ref), 1)
     print(f"\n[sfi] 1.5K prompt, K=256 W=64: {sfi['fast_steps']}/{steps} fast steps; "
           f"greedy tokens equal to dense for the first {same}, position-wise agreement {agree:.1%}")
+
+
+def test_topup_page_summaries_are_kept_per_pool_page(engine, model_path):
+    """Under --page-size 16 the top-up's pages' key summaries take one [pool pages, H_kv, 2,
+    D] tensor per layer that chooses pages (every sparse layer here), set aside from the
+    pool's budget, and /server_info reports them."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    memory = engine.get_server_info()["internal_states"][0]["sfi"]["memory"]
+    layers = CFG.replace(topup_pages=2).topup_layers(config["num_hidden_layers"])
+    hkv, d = config["num_key_value_heads"], config["hidden_size"] // config["num_attention_heads"]
+    per_page = len(layers) * hkv * 2 * d * 4  # fp32 on the CPU engine
+    pages = memory["allocated_page_summaries"] / per_page
+    assert layers and pages == int(pages) and memory["pool_tokens"] / 16 <= pages <= memory["pool_tokens"] / 16 + 2
 
 
 def test_a_steps_slow_rows_are_limited_and_the_rest_put_off_a_step(engine, prompts):

@@ -249,7 +249,7 @@ def test_topup_every_n_layers_reuses_the_groups_pages():
     # layer 2 holds the group's first page of head 0: it reads the group's pages less that one
     page0 = int(first[0, 0, 0])
     pos2 = pos.clone()
-    pos2[0, 0, 0] = 4 + page0 * 8
+    pos2[0, 0, 0] = cfg.topup_lo + page0 * 8
     pos2[0, 0] = pos2[0, 0].sort().values
     mem.store(2, st["rpi"], pos2, cnt, ws, st["k"], st["v"], st["rtt"])
     got = {lid: host.topup(lid, int(st["rpi"][0]), 5, qs[lid], *args, cfg) for lid in range(2, 6)}
@@ -264,13 +264,34 @@ def test_topup_every_n_layers_reuses_the_groups_pages():
     step = StepTopUp(mem, cfg)
     for lid, want in {1: first, **got}.items():
         assert torch.equal(step.pages(lid, qs[lid], *args), want)
+    # the pool in pages of 8 slots (SGLang's --page-size 8) holding the same keys: the choice
+    # from PageSummaries kept as the keys were written (in two forwards, the first ending
+    # mid-page) gives the same pages at every layer
+    from sfi_sglang.method.topup import PageSummaries
+
+    slot, n = int(st["rpi"][0]), 120
+    order = torch.randperm(n // 8 + 2, generator=gen)
+    rtt_p = st["rtt"].clone()
+    rtt_p[slot, :n] = (order[torch.arange(n) // 8] * 8 + torch.arange(n) % 8).int().to(DEV)
+    k_p = torch.zeros((n // 8 + 2) * 8, Hkv, D, device=DEV)
+    k_p[rtt_p[slot, :n].long()] = st["k"][st["rtt"][slot, :n].long()]
+    assert cfg.topup_layers(6) == [1, 3, 5] and PageSummaries.wanted(cfg, 8) and not PageSummaries.wanted(cfg, 1)
+    summ = PageSummaries(cfg.topup_layers(6), k_p.shape[0], Hkv, D, 8, k_p.dtype, DEV)
+    for lid in (1, 3, 5):
+        summ.store(lid, k_p, rtt_p[slot, :61])
+        summ.store(lid, k_p, rtt_p[slot, 61:n])
+    assert summ.bytes() == 3 * (n // 8 + 2) * Hkv * 2 * D * 4
+    keyed, paged = StepTopUp(mem, cfg), StepTopUp(mem, cfg, summ)
+    for lid in range(1, 6):
+        want = keyed.pages(lid, qs[lid], *args)
+        assert torch.equal(paged.pages(lid, qs[lid], k_p, rtt_p, st["rpi"], st["seq_lens"]), want)
     # a dense layer inside a group (3 here, one group of 8): its memory row sits between the
     # group's others and is skipped; each later layer drops what it holds, as the host path does
     mid = dataclasses.replace(cfg, dense_layers=(3,), topup_every=8)
     start = layer_pages(mem, 0, mid, qs[0], *args)
     h, j = (int(i) for i in (layer_pages(mem, 5, mid, qs[5], *args, group=start)[0] >= 0).nonzero()[0])
     pos4 = pos.clone()  # layer 4 holds a page of the group's that 3 and 5 keep
-    pos4[0, h, 0] = 4 + int(start[0, h, j]) * 8
+    pos4[0, h, 0] = mid.topup_lo + int(start[0, h, j]) * 8
     pos4[0, h] = pos4[0, h].sort().values
     mem.store(4, st["rpi"], pos4, cnt, ws, st["k"], st["v"], st["rtt"])
     step = StepTopUp(mem, mid)

@@ -53,7 +53,7 @@ from sfi_sglang.method.memory import NO_WINDOW, SparseMemory
 from sfi_sglang.method.options import EXTRA_IDS_KEY
 from sfi_sglang.method.selector import KeyNorms, Selection
 from sfi_sglang.method.step import ScoreBuffers, StepMetadata, StepPlan, dense_step, score_rows
-from sfi_sglang.method.topup import StepTopUp
+from sfi_sglang.method.topup import PageSummaries, StepTopUp
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -116,7 +116,12 @@ class SFIAttnBackend(AttentionBackend):
         self.monitor = AdaptiveMonitor(self.policy, self.sparse_ids, max_slots, self.num_q_heads,
                                        k0.device, on=cfg.refresh == "adaptive")
         self.host = HostPath(self.memory, self.policy, self.step, self.selection, self.monitor)
-        self.topup = StepTopUp(self.memory, cfg) if cfg.topup_pages and cfg.method == "sfi" else None
+        # the top-up's page summaries where SGLang's pool comes in its pages (--page-size)
+        self.summaries = (PageSummaries(cfg.topup_layers(self.num_layers), k0.shape[0], k0.shape[1], k0.shape[2],
+                                        cfg.page_size, k0.dtype, k0.device)
+                          if PageSummaries.wanted(cfg, getattr(args, "page_size", 1) or 1) else None)
+        self.topup = (StepTopUp(self.memory, cfg, self.summaries) if cfg.topup_pages and cfg.method == "sfi"
+                      else None)
         self.slots = Slots(cfg, self.memory, self.step, self.policy, self._kv, r2t, self.num_layers)
         self.scores = ScoreBuffers(k0.device, self.memory.packed,
                                    score_rows(max_slots, cfg.max_slow_rows, rows),
@@ -303,6 +308,7 @@ class SFIAttnBackend(AttentionBackend):
         o = self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         if save_kv_cache and k is not None:
             self.norms.store(k, layer, forward_batch.out_cache_loc)
+            self.summarize(layer.layer_id, forward_batch)
         mode = forward_batch.forward_mode
         if mode.is_extend() and not mode.is_mixed():
             self.bootstrap(q, layer, forward_batch)
@@ -328,12 +334,15 @@ class SFIAttnBackend(AttentionBackend):
             # a layer the server keeps dense: SGLang's own dense decode, then the host-path
             # rows that have a memory there (their own dense_layers)
             o = self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+            if save_kv_cache and k is not None:
+                self.summarize(lid, forward_batch)
             if rows is not None and meta.host_rows:
                 ov = o.view(o.shape[0], layer.tp_q_head_num, -1)
                 self._host_decode(lid, ov, q.reshape(ov.shape), forward_batch, layer.scaling)
             return o
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+            self.summarize(lid, forward_batch)
         with graph_if.no_host_reads(self._sync_guard):
             o = self._decode_device(q, lid, forward_batch, layer)
         if meta.host_rows:
@@ -342,6 +351,11 @@ class SFIAttnBackend(AttentionBackend):
             self.monitor.observe(rows, forward_batch.req_pool_indices, o.shape[0],
                                  self.host.fast_rows(meta.host_rows))
         return o.reshape(o.shape[0], -1)
+
+    def summarize(self, lid: int, forward_batch) -> None:
+        """After layer lid's keys were written: the top-up's page summaries of their pages."""
+        if self.summaries is not None:
+            self.summaries.store(lid, self._kv(lid)[0], forward_batch.out_cache_loc)
 
     def _host_decode(self, lid, o, q, forward_batch, scale) -> None:
         kc, vc = self._kv(lid)

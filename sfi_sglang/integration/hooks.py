@@ -182,7 +182,8 @@ def _reserve_sfi_memory(original, self, *args, **kwargs):
     kv_heads = mc.get_num_kv_heads(sa.tp_size)
     budget = kv_budget(available, num_layers, kv_heads, mc.head_dim, cfg, self.kv_cache_dtype, packed,
                        slots, scores, group=max(1, mc.num_attention_heads // sa.tp_size // kv_heads),
-                       q_dtype=getattr(mc, "dtype", None), rows=cfg.memory_rows or None)
+                       q_dtype=getattr(mc, "dtype", None), rows=cfg.memory_rows or None,
+                       page_size=sa.page_size or 1)
     MEMORY.update(available=int(available), kv_budget=budget, reserved=int(available) - budget,
                   scores=scores, slots=slots + 1, rows=cfg.memory_rows or slots + 1,  # _add_sfi_state: the backend's
                   # SFI's KV pool against the one dense SGLang would size from the same bytes
@@ -392,8 +393,9 @@ def _add_sfi_state(result, self, *args, **kwargs):
     memory = dict(MEMORY)
     be = state.active()
     if be is not None:  # what the backend allocated against what was reserved for it
-        memory.update(allocated=be.memory.bytes() + be.norms.bytes() + be.scores.bytes(),
-                      allocated_scores=be.scores.bytes(), allocated_slots=be.memory.max_slots,
+        summaries = 0 if be.summaries is None else be.summaries.bytes()
+        memory.update(allocated=be.memory.bytes() + be.norms.bytes() + be.scores.bytes() + summaries,
+                      allocated_scores=be.scores.bytes(), allocated_page_summaries=summaries, allocated_slots=be.memory.max_slots,
                       rows=be.memory.rows.total, pool_tokens=be.token_to_kv_pool.size,
                       rows_free=-1 if be.memory.rows.count is None else be.memory.rows.count - be.slots.rows_held,
                       rows_waiting=be.slots.waiting)

@@ -99,7 +99,7 @@ class HostPath:
                          if cfg.topup_pages else None)
                 o[i] = mem.attend_fast(lid, q[i:i + 1], kc, vc, r2t, rpi, sl, scale,
                                        lse_out=self.monitor.out(lid, i + 1, i), extra=extra,
-                                       extra_page=cfg.page_size,
+                                       extra_page=cfg.page_size, extra_base=cfg.topup_lo,
                                        holes=cfg.selection_page > 1)[0]
                 continue
             # a slow step's output is its dense pass (the device pass skips host rows on the

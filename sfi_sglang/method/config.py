@@ -96,9 +96,11 @@ class SFIConfig:
     method: str = "sfi"
     page_size: int = 16
     # the per-step top-up of SFI's fast steps: also attend to the topup_pages pages of
-    # page_size tokens (inside [sinks, window start), holding no held position) with the
+    # page_size tokens (inside [topup_lo, window start), holding no held position) with the
     # highest query-aware bound, Quest's, from the page's per-channel min/max keys; 0 = off.
-    # On the Triton fast paths in the decode graphs (sfi_sglang.method.topup): docs/method.md
+    # On the Triton fast paths in the decode graphs (sfi_sglang.method.topup): docs/method.md.
+    # Under SGLang's --page-size equal to page_size the min/max are kept per pool page as
+    # the KV grows (topup.PageSummaries) and the scores read them, not the keys
     topup_pages: int = 0
     # the top-up's pages are chosen at every topup_every-th sparse layer (the first of each
     # group) and reused by the group's other layers, less the pages a layer holds: 1 = each layer
@@ -169,6 +171,16 @@ class SFIConfig:
     def sparse_layers(self, num_layers: int) -> list[int]:
         """The layers of a num_layers-layer model that run SFI (all but dense_layers)."""
         return [lid for lid in range(num_layers) if lid not in self.dense_layers]
+
+    @property
+    def topup_lo(self) -> int:
+        """Where the top-up's pages start: the first page boundary at or past the sinks (so
+        that they are SGLang's pool pages under --page-size page_size)."""
+        return -(-self.sinks // self.page_size) * self.page_size
+
+    def topup_layers(self, num_layers: int) -> list[int]:
+        """The sparse layers that choose top-up pages: the first of each group of topup_every."""
+        return self.sparse_layers(num_layers)[::self.topup_every] if self.topup_pages else []
 
     def memory_tokens(self) -> int:
         """S + W + K: the positions a fast step reads per layer and KV head, at most."""

@@ -41,6 +41,7 @@ from sfi_sglang.kernels.reference import extra_positions
 from sfi_sglang.method.config import KERNEL_FAST_PATHS, SFIConfigError
 from sfi_sglang.method.rows import MemoryRows
 from sfi_sglang.method.selector import KeyNorms
+from sfi_sglang.method.topup import PageSummaries
 
 # A window start past any context: the fast kernel reads no window for such a slot (SGLang's
 # padding slot 0, and the device-path rows of requests with SFI off).
@@ -318,6 +319,7 @@ class SparseMemory:
                     out: Optional[torch.Tensor] = None, fast_plan=None, max_len: Optional[int] = None,
                     win_start: Optional[torch.Tensor] = None, lse_out: Optional[torch.Tensor] = None,
                     extra: Optional[torch.Tensor] = None, extra_page: Optional[int] = None,
+                    extra_base: Optional[int] = None,
                     holes: bool = False, **kernel_kw) -> torch.Tensor:
         """Fast-step attention q [b, H_q, D] -> [b, H_q, D] over sinks + selected + window.
         Triton: one kernels.fast_decode launch (no host sync); FlashInfer: `fast_plan` from
@@ -327,15 +329,16 @@ class SparseMemory:
         lse_out [b, H_q] float32: also each head's log-sum-exp over the memory (Triton and
         the torch reference; config.py refuses the adaptive trigger on FlashInfer).
         extra [b, H_kv, P] int32: the top-up's pages (method.topup; of extra_page tokens,
-        default cfg.page_size, from the sinks; -1: none). holes=True: the selection may hold
+        default cfg.page_size, from extra_base, default cfg.topup_lo; -1: none). holes=True: the selection may hold
         -1 within its count (a request's own whole pages; the packed kernel then skips them).
         holes or extra on FlashInfer: the torch reference (host rows, eager steps)."""
         li = self.layer_index[layer_id]
         rpi = req_pool_indices.to(self.device).long()
         page = extra_page or self.cfg.page_size
+        base = self.cfg.topup_lo if extra_base is None else int(extra_base)
         kernel = self.kernel_fast_path or (extra is None and not holes)
         if kernel and extra is not None:
-            kernel_kw.update(extra_pages=extra.to(torch.int32).contiguous(), extra_base=self.sinks, extra_page=page)
+            kernel_kw.update(extra_pages=extra.to(torch.int32).contiguous(), extra_base=base, extra_page=page)
         if kernel and self.fast_path == "flashinfer":
             fl = fast_plan if fast_plan is not None else self.fast_lists(rpi, seq_lens)
             return self._fi.run(q, k_cache, v_cache, req_to_token, rpi, fl.lengths, fl.start, seq_lens,
@@ -357,7 +360,7 @@ class SparseMemory:
         allowed = self._fast_mask(li, rpi, seq_lens, n)
         if extra is not None:
             inside = torch.arange(n, device=self.device) < seq_lens.to(self.device)[:, None, None]
-            pos = extra_positions(extra, self.sinks, page)
+            pos = extra_positions(extra, base, page)
             allowed = allowed | (self._position_mask(pos, n) & inside)
         return self._attend_masked_ref(q, k_cache, v_cache, req_to_token, rpi, allowed, sm_scale, out,
                                        lse_out=lse_out)
@@ -551,15 +554,16 @@ class FastLists:
 
 def kv_budget(available: int, num_layers: int, num_kv_heads: int, head_dim: int, cfg, dtype,
               packed: bool, slots: int, scores: int = 0, group: int = 1, q_dtype=None,
-              rows: Optional[int] = None) -> int:
+              rows: Optional[int] = None, page_size: int = 1) -> int:
     """SGLang's KV-pool byte budget once the `sfi` backend's own tensors are set aside: the
     sparse memory (`slots` + 1 request slots like SGLang's req_to_token, `rows` memory rows
     (None: one per slot; "auto": cfg.rows_for the pool these bytes would hold without
     them, no fewer than the backend makes of the pool it gets); `dtype` the KV cache's,
     `q_dtype` the model's where they differ: an fp8 cache), the slow
-    pass's score buffers (`scores` bytes: step.ScoreBuffers.reserve_bytes) and the key norms
-    (per KV-pool token, next to the pool's K and V). Raises SFIConfigError when nothing would
-    be left. Called where SGLang sizes its pools (hooks._reserve_sfi_memory)."""
+    pass's score buffers (`scores` bytes: step.ScoreBuffers.reserve_bytes), the key norms
+    (per KV-pool token) and the top-up's page summaries (per pool page of --page-size
+    `page_size`: topup.PageSummaries). Raises SFIConfigError when nothing would be left.
+    Called where SGLang sizes its pools (hooks._reserve_sfi_memory)."""
     kv_cell = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
     norm_cell = num_layers * num_kv_heads * KeyNorms.DTYPE.itemsize  # the key norms: L x [tokens, H_kv]
     if rows is not None:  # SFIConfig.rows_for: auto from the pool without them, never past the slots
@@ -567,7 +571,9 @@ def kv_budget(available: int, num_layers: int, num_kv_heads: int, head_dim: int,
                                                       slots + 1)
     mem = SparseMemory.footprint(num_layers, num_kv_heads, head_dim, cfg, dtype, packed, slots + 1, rows,
                                  group, q_dtype)
-    left = (available - mem - scores) * kv_cell // (kv_cell + norm_cell)
+    side_cell = norm_cell + PageSummaries.token_bytes(cfg, page_size, num_layers, num_kv_heads, head_dim,
+                                                      dtype.itemsize)
+    left = int((available - mem - scores) * kv_cell // (kv_cell + side_cell))
     if left <= 0:
         raise SFIConfigError(
             f"SFI's sparse memory for {slots} request slots needs {mem / 2**30:.2f} GiB "
