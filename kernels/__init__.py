@@ -37,4 +37,5 @@ def __getattr__(name):
 
 
 __all__ = [*_LAZY, "ref_fast_decode", "ref_dense_decode_with_scores", "ref_pack", "ref_store_key_norms",
-           "page_bounds", "extra_positions", "ref_page_scores", "ref_drop_held", "ref_summarize_pages", "summary_bounds"]
+           "page_bounds", "extra_positions", "ref_page_scores", "ref_drop_held", "ref_summarize_pages",
+           "summary_bounds"]

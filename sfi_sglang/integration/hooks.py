@@ -395,7 +395,8 @@ def _add_sfi_state(result, self, *args, **kwargs):
     if be is not None:  # what the backend allocated against what was reserved for it
         summaries = 0 if be.summaries is None else be.summaries.bytes()
         memory.update(allocated=be.memory.bytes() + be.norms.bytes() + be.scores.bytes() + summaries,
-                      allocated_scores=be.scores.bytes(), allocated_page_summaries=summaries, allocated_slots=be.memory.max_slots,
+                      allocated_scores=be.scores.bytes(), allocated_page_summaries=summaries,
+                      allocated_slots=be.memory.max_slots,
                       rows=be.memory.rows.total, pool_tokens=be.token_to_kv_pool.size,
                       rows_free=-1 if be.memory.rows.count is None else be.memory.rows.count - be.slots.rows_held,
                       rows_waiting=be.slots.waiting)

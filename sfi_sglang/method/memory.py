@@ -319,8 +319,7 @@ class SparseMemory:
                     out: Optional[torch.Tensor] = None, fast_plan=None, max_len: Optional[int] = None,
                     win_start: Optional[torch.Tensor] = None, lse_out: Optional[torch.Tensor] = None,
                     extra: Optional[torch.Tensor] = None, extra_page: Optional[int] = None,
-                    extra_base: Optional[int] = None,
-                    holes: bool = False, **kernel_kw) -> torch.Tensor:
+                    extra_base: Optional[int] = None, holes: bool = False, **kernel_kw) -> torch.Tensor:
         """Fast-step attention q [b, H_q, D] -> [b, H_q, D] over sinks + selected + window.
         Triton: one kernels.fast_decode launch (no host sync); FlashInfer: `fast_plan` from
         plan_fast for these rows; else the torch reference over the first max_len
@@ -329,8 +328,9 @@ class SparseMemory:
         lse_out [b, H_q] float32: also each head's log-sum-exp over the memory (Triton and
         the torch reference; config.py refuses the adaptive trigger on FlashInfer).
         extra [b, H_kv, P] int32: the top-up's pages (method.topup; of extra_page tokens,
-        default cfg.page_size, from extra_base, default cfg.topup_lo; -1: none). holes=True: the selection may hold
-        -1 within its count (a request's own whole pages; the packed kernel then skips them).
+        default cfg.page_size, from extra_base, default cfg.topup_lo; -1: none). holes=True:
+        the selection may hold -1 within its count (a request's own whole pages; the packed
+        kernel then skips them).
         holes or extra on FlashInfer: the torch reference (host rows, eager steps)."""
         li = self.layer_index[layer_id]
         rpi = req_pool_indices.to(self.device).long()
