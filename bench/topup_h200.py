@@ -40,9 +40,10 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32  # the interpreter's bf16 dot is not the GPU's
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))  # after a laid-out site (bench/layout.sh)
 from sfi_sglang import kernels as K  # noqa: E402
+from sfi_sglang.method.config import SFIConfig  # noqa: E402
 
 HQ, HKV, D, S, W, PAGE, PAGES = 32, 8, 128, 4, 256, 16, 32
-LO = -(-S // PAGE) * PAGE  # the top-up's pages on the pool's page boundaries (summaries)
+LO = SFIConfig(sinks=S, page_size=PAGE).topup_lo  # the top-up's pages on the pool's page boundaries (summaries)
 
 
 def state(B, n, held_k, layers=1, dev=DEV, seed=0):
@@ -61,7 +62,8 @@ def state(B, n, held_k, layers=1, dev=DEV, seed=0):
     held = torch.stack([torch.stack([(torch.randperm(n - W - S, generator=g)[:held_k] + S).sort().values
                                      for _ in range(HKV)]) for _ in range(B)]).int().to(dev)
     q = torch.randn(B, HQ, D, device=dev, dtype=DTYPE)
-    return dict(r2t=r2t, r2t_paged=r2t_paged, caches=caches, ws=ws, held=held, q=q, rpi=torch.arange(B, device=dev),
+    return dict(r2t=r2t, r2t_paged=r2t_paged, caches=caches, ws=ws, held=held, q=q,
+                rpi=torch.arange(B, device=dev),
                 seq_lens=torch.full((B,), n, dtype=torch.int32, device=dev),
                 packed_len=torch.full((B,), S + held_k, dtype=torch.int32, device=dev),
                 n_sinks=torch.full((B,), S, dtype=torch.int32, device=dev))
@@ -120,7 +122,8 @@ def checks() -> dict:
     keyed = K.page_scores(*pargs, row_of=row_of)
     from_summ = K.page_scores(*pargs, row_of=row_of, summ=summ)
     res["summ_scores_equal_keys"] = bool(torch.equal(keyed, from_summ))
-    res["ok"] = (res["summ_equal_reference"] and res["summ_scores_equal_keys"] and res["scores_inf_equal"] and res["scores_max_rel_err"] < 1e-5 and res["chosen_are_top"]
+    res["ok"] = (res["summ_equal_reference"] and res["summ_scores_equal_keys"]
+                 and res["scores_inf_equal"] and res["scores_max_rel_err"] < 1e-5 and res["chosen_are_top"]
                  and res["chosen_equal_reference"] and res["drop_held_equal"] and res["drop_held_group_equal"]
                  and res["fast_packed_rel_err"] < 2e-2 and res["fast_in_place_rel_err"] < 2e-2)
     return res

@@ -60,7 +60,7 @@ def _summarize_kernel(K_cache, Summ, Locs, n, stride_kcs, stride_kch, stride_mp,
         offs_d = tl.arange(0, BLOCK_D)
         mask = ((first + offs_j) <= loc)[:, None] & (offs_d < D)[None, :]
         k = tl.load(K_cache + (first + offs_j)[:, None] * stride_kcs + h * stride_kch + offs_d[None, :],
-                    mask=mask, other=0.0)
+                    mask=mask, other=0.0).to(tl.float32)  # fp8 has no inf; float32 holds every K dtype exactly
         kmin = tl.min(tl.where(mask, k, float("inf")), axis=0)
         kmax = tl.max(tl.where(mask, k, float("-inf")), axis=0)
         out = Summ + (loc // PAGE) * stride_mp + h * stride_mh + offs_d

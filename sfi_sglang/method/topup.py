@@ -45,7 +45,7 @@ def layer_pages(memory, lid: int, cfg, q, k_cache, req_to_token, req_pool_indice
 
 def is_group_start(memory, lid: int, cfg) -> bool:
     """Whether sparse layer lid chooses its own pages (the first of its group of topup_every)."""
-    return cfg.sparse_layers(memory.num_layers).index(lid) % cfg.topup_every == 0
+    return lid in cfg.topup_layers(memory.num_layers)
 
 
 class StepTopUp:
