@@ -204,7 +204,7 @@ def timing(n: int, B: int, layers: int = 8) -> dict:
         K.summarize_pages(kc, summs[-1], st["r2t_paged"].reshape(-1).contiguous(), PAGE)
     r2p = st["r2t_paged"]
 
-    def scores_paged(summ_on, block_p=8, warps=4):  # the paged layout, from the keys or the summaries
+    def scores_paged(summ_on, block_p=None, warps=4):  # the paged layout, from the keys or the summaries
         def f():
             for (kc, _), sm in zip(st["caches"], summs):
                 K.page_scores(st["q"], kc, r2p, st["rpi"], st["seq_lens"], st["ws"], sel, LO, PAGE, maxp,

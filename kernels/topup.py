@@ -35,6 +35,7 @@ from ._common import _memory_row, next_pow2, use_triton
 from .topk import _ordered
 
 BLOCK_P_DEFAULT = 8  # pages per program: BLOCK_P x PAGE x D keys in registers
+SUMM_BLOCK_P_DEFAULT = 32  # pages per program from the summaries: BLOCK_P x 2 x D values
 PICK_BLOCK_MAX = 8192  # pick_pages holds up to this many scores per (row, KV head) in registers (128K at page 16)
 
 
@@ -225,15 +226,16 @@ def summarize_pages(k_cache, summ, locs, page: int):
 
 
 def page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start, held, lo: int, page: int,
-                max_pages: int, row_of=None, out=None, summ=None, block_p: int = BLOCK_P_DEFAULT,
+                max_pages: int, row_of=None, out=None, summ=None, block_p: int | None = None,
                 num_warps: int = 4):
     """Scores [B, H_kv, max_pages] float32 of the pages of `page` tokens from lo (see the
     module doc): -inf past a row's whole pages in [lo, min(win_start, seq_len)) and on
     pages holding a position of held [rows, H_kv, K] (-1 padded; by memory row, row_of
     [slots] int32 when given, else by slot). q [B, H_q, D]; win_start [B] per batch row.
     summ: the pool pages' key summaries (summarize_pages; lo a multiple of page), read in
-    place of the keys. block_p pages per program and num_warps: the defaults are within 3%
-    of the best measured on keys (bench/NOTES.md section 53)."""
+    place of the keys. block_p pages per program (default 8 from the keys, 32 from the
+    summaries) and num_warps: within 3% of the best measured on keys (bench/NOTES.md section
+    53) and 5% on summaries, where 8 pages took up to 23% longer (section 54)."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     if out is None:
@@ -250,6 +252,7 @@ def page_scores(q, k_cache, req_to_token, req_pool_indices, seq_lens, win_start,
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and held.stride(2) == 1 and out.stride(2) == 1
     assert summ is None or summ.stride(3) == 1
     sm = summ if summ is not None else k_cache
+    block_p = block_p or (SUMM_BLOCK_P_DEFAULT if summ is not None else BLOCK_P_DEFAULT)
     K = held.shape[2]
     grid = (B, Hkv, triton.cdiv(max_pages, block_p))
     _page_scores_kernel[grid](
