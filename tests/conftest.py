@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -134,18 +133,27 @@ class Server(Service):
                          timeout, "sfi-serve")
 
 
+RETRIED_STARTS: list[str] = []  # start_servers' first failures, printed by pytest_terminal_summary
+
+
+def pytest_terminal_summary(terminalreporter):
+    for msg in RETRIED_STARTS:
+        terminalreporter.write_sep("-", "a server start failed once and was retried")
+        terminalreporter.write_line(msg)
+
+
 def start_servers(*arg_lists, timeout: float = 420) -> list[Server]:
     """One Server per argument list, started at once (together ~2.5 min on 2 cores). A server
-    that does not start is started once more, its first log shown as a warning (a tp=2
-    server once never became healthy in CI, its log lost); if the second try fails too, the
-    others are stopped and the error raised."""
+    that does not start is started once more, its first error and log printed at the end of
+    the run (a tp=2 server once never became healthy in CI, its log lost); if the second
+    try fails too, the others are stopped and the error raised."""
     from concurrent.futures import ThreadPoolExecutor
 
     def start(args):
         try:
             return Server(*args, timeout=timeout)
         except RuntimeError as e:
-            warnings.warn(f"retrying once: {e}")
+            RETRIED_STARTS.append(f"{' '.join(args)}: {e}")
             return Server(*args, timeout=timeout)
 
     with ThreadPoolExecutor(len(arg_lists)) as pool:
