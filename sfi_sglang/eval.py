@@ -137,6 +137,10 @@ METHODS = {
     # half of K held, half chosen per step: nearer Quest, still refreshed at boundaries
     "sfi-lines-pages-topup-half": Method("sfi-lines-pages-topup-half", {
         "extra_boundaries": "line", "selection_page": 16, "topup_share": 0.5}),
+    # whole pages and the top-up without line ends (slow steps at sentence ends only: on code
+    # almost none), so that a step reads what Quest's does at the same budget
+    "sfi-pages-topup": Method("sfi-pages-topup", {"selection_page": 16, "topup_share": 0.25}),
+    "sfi-pages-topup-half": Method("sfi-pages-topup-half", {"selection_page": 16, "topup_share": 0.5}),
     # the hybrid's Selector without its structural prior, or without neighbourhood pooling
     # (both chosen on SmolLM2): is the held part's choice what trails Quest on prose?
     "sfi-lines-pages-topup-no-prior": Method("sfi-lines-pages-topup-no-prior", {
