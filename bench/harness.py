@@ -382,35 +382,30 @@ class Setup:
             sc = self.sfi.scores  # and the score buffers of that path
             self.sfi.scores = ScoreBuffers(m.device, packed, score_rows(m.max_slots, cfg.max_slow_rows,
                                                                       cfg.memory_rows),
-                                           sc.num_sparse, sc.num_q_heads, sc.width, batched=cfg.method == "sfi")
+                                           sc.num_sparse, sc.num_q_heads, sc.num_kv_heads, sc.width,
+                                           batched=cfg.method == "sfi")
         self.sfi.init_cuda_graph_state(batch, batch)  # as SGLang's graph runner does
         self.fill(seed=1)
 
     def fill(self, seed: int):
-        """Random prompt K/V for positions [0, n - 1) of every request (and their key norms)."""
-        from sfi_sglang.kernels import store_key_norms
-
+        """Random prompt K/V for positions [0, n - 1) of every request."""
         g = torch.Generator(device=self.fb.seq_lens.device).manual_seed(seed)
         locs = (self.base[:, None] + torch.arange(self.n - 1, device=self.base.device)).reshape(-1)
-        for lid, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
+        for k, v in zip(self.kv.k, self.kv.v):
             shape = (locs.numel(), *k.shape[1:])
             kk = torch.randn(shape, generator=g, device=k.device, dtype=torch.float32).to(k.dtype)
             put(k, locs, kk)
             put(v, locs, torch.randn(shape, generator=g, device=v.device, dtype=torch.float32))
-            store_key_norms(kk, locs, self.sfi.norms.layers[lid])
             del kk
 
     def write_prompt(self, ks, vs):
         """Real prompt K/V (DummyModel.prefill of the prompt's first n - 1 tokens: per layer
-        [n - 1, H_kv, D]) into every request's slots, with their key norms."""
-        from sfi_sglang.kernels import store_key_norms
-
+        [n - 1, H_kv, D]) into every request's slots."""
         locs = (self.base[:, None] + torch.arange(self.n - 1, device=self.base.device)).reshape(-1)
         for lid, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
             kk = ks[lid].to(k.dtype).repeat(self.B, 1, 1)
             put(k, locs, kk)
             put(v, locs, vs[lid].repeat(self.B, 1, 1))
-            store_key_norms(kk, locs, self.sfi.norms.layers[lid])
 
     def reset(self, first_ids: torch.Tensor):
         """Every request back at context n (its last prompt token as input), SFI memory

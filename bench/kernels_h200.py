@@ -247,11 +247,16 @@ def correctness():
                     e = rel_err(out, ref) if torch.isfinite(out).all() else float("nan")
                     ok &= check(f"fast small {dtype} G={G} splits={splits} fused={fused}", e, tol)
                 sc = torch.full((B, Hkv * G, N + 37), float("nan"), device=DEV)
+                nm = torch.full((B, Hkv, N + 37), float("nan"), device=DEV)
+                rn = nm.clone()
                 out = torch.full_like(q, float("nan"))
                 K.dense_decode_with_scores(q, k_cache, v_cache, rtt, rpi, sl, D ** -0.5,
-                                           scores_out=sc, out=out, num_splits=splits)
+                                           scores_out=sc, out=out, num_splits=splits, norms_out=nm)
                 ro, rs = K.ref_dense_decode_with_scores(q, k_cache, v_cache, rtt, rpi, sl, D ** -0.5,
-                                                        n_max=N + 37)
+                                                        n_max=N + 37, norms_out=rn)
+                live = torch.arange(N + 37, device=DEV)[None, None, :] < sl.view(-1, 1, 1)
+                ok &= check(f"dense+scores key norms small {dtype} G={G} splits={splits}",
+                            rel_err(nm[live.expand_as(nm)], rn[live.expand_as(rn)]), 1e-6)
                 e = rel_err(out, ro) if torch.isfinite(out).all() else float("nan")
                 ok &= check(f"dense+scores out small {dtype} G={G} splits={splits}", e, tol)
                 fin = torch.isfinite(rs)
@@ -259,12 +264,6 @@ def correctness():
                 e = rel_err(sc[fin], rs[fin]) if good else float("nan")
                 ok &= check(f"dense+scores scores small {dtype} G={G} splits={splits}", e,
                             1e-4 if dtype == torch.float32 else 1e-5 * 100)
-    # key norms
-    k = torch.randn(37, 8, 128, device=DEV, dtype=torch.bfloat16)
-    loc = torch.randperm(1000, device=DEV)[:37]
-    nrm = torch.full((1000, 8), float("nan"), device=DEV)
-    K.store_key_norms(k, loc, nrm)
-    ok &= check("key norms bf16", rel_err(nrm[loc], torch.linalg.vector_norm(k.double(), dim=-1)), 1e-6)
     return ok
 
 
@@ -358,8 +357,8 @@ def correctness_memory_selector(memory_mod, selector_mod, cfg_mod):
         if full:
             ro, _ = K.ref_dense_decode_with_scores(*args)
             ok &= check(f"memory fast == dense (all selected) N={N} B={B}", rel_err(out, ro), 1e-2)
-        o1, s1 = mems[0].attend_slow(0, *args, max_len=N)
-        o2, s2 = mems[1].attend_slow(0, *args, max_len=N)
+        o1, s1, _ = mems[0].attend_slow(0, *args, max_len=N)
+        o2, s2, _ = mems[1].attend_slow(0, *args, max_len=N)
         ok &= check(f"memory slow kernel vs reference N={N} B={B} out", rel_err(o2, o1), 1e-2)
         ok &= check(f"memory slow kernel vs reference N={N} B={B} scores",
                     rel_err(s2[torch.isfinite(s1)], s1[torch.isfinite(s1)]), 1e-3)
@@ -535,22 +534,17 @@ def run_config(N, B, selector_mod, cfg_mod, l2_bytes, sweep=False, memory_mod=No
     res["pack"] = timed("pack_triton", cfg, [
         (lambda s=s, p=p: K.pack(*kv, s["req_pool_indices"], p, st["packed_k"], st["packed_v"]))
         for s, p in zip(sets, pos)], pack_bytes)
-    # --- key norms for one decode step (B tokens)
-    norms_pool = torch.rand(st["k_cache"].shape[0], Hkv, device=DEV) + 0.5
-    kn = torch.randn(B, Hkv, D, device=DEV, dtype=torch.bfloat16)
-    loc = torch.randint(0, st["k_cache"].shape[0], (B,), device=DEV)
-    res["key_norms"] = timed("key_norms_triton", cfg, [lambda: K.store_key_norms(kn, loc, norms_pool)])
     # --- Selector (torch) on the slow step's scores of one layer
     if selector_mod is not None:
         sfi_cfg = cfg_mod.SFIConfig(sinks=S, window=W, budget=Kc)
         s0, sc0 = dsets[0], scores[0]
+        nm0 = torch.empty(B, Hkv, N, device=DEV, dtype=torch.bfloat16)  # the slow pass's key norms
         K.dense_decode_with_scores(s0["q"], *kv, s0["req_pool_indices"], s0["seq_lens"], scale,
-                                   scores_out=sc0, out=s0["out"])
+                                   scores_out=sc0, out=s0["out"], norms_out=nm0)
 
         def run_selector(s=s0, sc=sc0, fused=False):
             lo, hi = selector_mod.candidate_range(s["seq_lens"], S, W)
-            key_norms = norms_pool[st["req_to_token"][s["req_pool_indices"]].long()].permute(0, 2, 1)
-            return selector_mod.select(sc.view(B, Hkv, G, N), key_norms, lo, hi, Kc, 1, sfi_cfg,
+            return selector_mod.select(sc.view(B, Hkv, G, N), nm0, lo, hi, Kc, 1, sfi_cfg,
                                        fused=fused)
 
         for fused, name in ((True, "selector"), (False, "selector_torch")):
@@ -570,19 +564,17 @@ def run_config(N, B, selector_mod, cfg_mod, l2_bytes, sweep=False, memory_mod=No
             except Exception:
                 RESULTS["errors"].append(f"{name} N={N} B={B}: {traceback.format_exc()[-1500:]}")
                 log("  selector failed:", traceback.format_exc()[-600:])
-        # --- Selector breakdown: key-norm gather, the four fused launches (cumulative),
+        # --- Selector breakdown: the four fused launches (cumulative),
         # top-k alone (radix Triton vs the old torch.topk + sort), on this layer's key
         try:
             lo0, hi0 = selector_mod.candidate_range(s0["seq_lens"], S, W)
-            kn0 = norms_pool[st["req_to_token"][s0["req_pool_indices"]].long()].permute(0, 2, 1)
+            kn0 = nm0
             lg0 = sc0.view(B, Hkv, G, N)
             lam0 = torch.full((B,), sfi_cfg.lambda_max_single, device=DEV)
             key0 = K.fused_topk_key(lg0, kn0, lo0, hi0, lam0, sfi_cfg)
             a = K.topk_positions(key0, Kc)
             b = selector_mod._top_k_from_key_torch(key0, Kc)
             check(f"topk radix vs torch on the Selector key N={N} B={B}", 0.0 if torch.equal(a, b) else 1.0, 0.5)
-            r = timed("sel_norms_gather", cfg, [lambda: norms_pool[st["req_to_token"][s0["req_pool_indices"]].long()].permute(0, 2, 1)])
-            summ_extra["sel_gather_ms"] = r.get("ms")
             for upto in (1, 2, 3, 4):
                 r = timed(f"sel_key_upto{upto}", cfg, [lambda u=upto: K.fused_topk_key(lg0, kn0, lo0, hi0, lam0, sfi_cfg, upto=u)])
                 summ_extra[f"sel_key_upto{upto}_ms"] = r.get("ms")
@@ -603,7 +595,7 @@ def run_config(N, B, selector_mod, cfg_mod, l2_bytes, sweep=False, memory_mod=No
                 L4 = 4
                 sc4 = sc0.view(1, B, Hkv, G, N).expand(L4, -1, -1, -1, -1).reshape(L4 * B, Hkv, G, N)
                 lo4, hi4 = selector_mod.candidate_range(s0["seq_lens"].repeat(L4), S, W)
-                kn4 = norms_pool[st["req_to_token"][s0["req_pool_indices"]].long()].permute(0, 2, 1).repeat(L4, 1, 1)
+                kn4 = nm0.repeat(L4, 1, 1)
                 r = timed("selector_fused_4layers", cfg, [lambda: selector_mod.select(
                     sc4, kn4, lo4, hi4, Kc, 1, sfi_cfg, fused=True)], graph=True)
                 summ_extra["selector_fused_per_layer_batched4_ms"] = r.get("ms", float("nan")) / L4
@@ -1030,10 +1022,10 @@ def main():
         f = lambda k_, m=1e3: f"{s[k_] * m:9.1f}" if s.get(k_) is not None else f"{'-':>9}"
         log(f"{s['N']:>7} {s['B']:>2} {f('sdpa_ms')} {f('dense_ms')} {f('dense_scores_ms')} {f('selector_ms')} {f('selector_torch_ms')}"
             f" {f('pack_ms')} {f('fast_ms')} {f('mem_fast_ms')} {f('speedup_fast_vs_sdpa', 1)} {f('fast_GBps', 1)} {f('slow_over_sdpa', 1)}")
-    log(f"{'N':>7} {'B':>2} {'gather':>7} {'k1':>7} {'k1+2':>7} {'k1-3':>7} {'k1-4':>7} {'topkR':>7} {'topkT':>7} {'topk1h':>7} {'selF':>7}")
+    log(f"{'N':>7} {'B':>2} {'k1':>7} {'k1+2':>7} {'k1-3':>7} {'k1-4':>7} {'topkR':>7} {'topkT':>7} {'topk1h':>7} {'selF':>7}")
     for s in RESULTS.get("summary", []):
         f = lambda k_: f"{s[k_] * 1e3:7.1f}" if s.get(k_) is not None else f"{'-':>7}"
-        log(f"{s['N']:>7} {s['B']:>2} {f('sel_gather_ms')} {f('sel_key_upto1_ms')} {f('sel_key_upto2_ms')} {f('sel_key_upto3_ms')}"
+        log(f"{s['N']:>7} {s['B']:>2} {f('sel_key_upto1_ms')} {f('sel_key_upto2_ms')} {f('sel_key_upto3_ms')}"
             f" {f('sel_key_upto4_ms')} {f('topk_radix_ms')} {f('topk_torch_ms')} {f('topk_radix_onehot_ms')} {f('selector_ms')}")
     log(f"wall {time.time() - t0:.0f}s")
 

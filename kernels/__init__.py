@@ -10,12 +10,12 @@ path leaves TRITON_INTERPRET unfixed for the rest of the process.
 import importlib
 
 from .reference import (ref_dense_decode_with_scores, ref_fast_decode, ref_pack,  # noqa: F401
-                        ref_store_key_norms, page_bounds, extra_positions, ref_page_scores,
+                        page_bounds, extra_positions, ref_page_scores,
                         ref_drop_held, ref_summarize_pages, summary_bounds)
 
 # public name -> the submodule that defines it
 _LAZY = {
-    "fast_decode": "fast_decode", "store_key_norms": "key_norms", "pack": "pack",
+    "fast_decode": "fast_decode", "pack": "pack",
     "store_selection": "pack",
     "fused_topk_key": "selector", "dense_decode": "slow_decode",
     "dense_decode_with_scores": "slow_decode", "topk_positions": "topk",
@@ -36,6 +36,6 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = [*_LAZY, "ref_fast_decode", "ref_dense_decode_with_scores", "ref_pack", "ref_store_key_norms",
+__all__ = [*_LAZY, "ref_fast_decode", "ref_dense_decode_with_scores", "ref_pack",
            "page_bounds", "extra_positions", "ref_page_scores", "ref_drop_held", "ref_summarize_pages",
            "summary_bounds"]

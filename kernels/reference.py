@@ -188,10 +188,11 @@ def ref_drop_held(pages, req_pool_indices, held, lo, page, row_of=None, out=None
 
 def ref_dense_decode_with_scores(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                                  sm_scale, scores_out=None, out=None, compute_dtype=torch.float64,
-                                 n_max=None, score_rows=None, **_ignored):
+                                 n_max=None, score_rows=None, norms_out=None, **_ignored):
     """Dense attention over [0, seq_len) + raw logits q.k*sm_scale ([B,H_q,N_max], -inf past
     seq_len). Returns (out, scores). score_rows [B] (needs scores_out): row b's logits go to
-    scores_out[score_rows[b]], none where -1; the other rows of scores_out are untouched."""
+    scores_out[score_rows[b]], none where -1; the other rows of scores_out are untouched.
+    norms_out [rows, H_kv, >= N]: the key norms of positions < seq_len, in the logits' rows."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
@@ -212,6 +213,9 @@ def ref_dense_decode_with_scores(q, k_cache, v_cache, req_to_token, req_pool_ind
         vals = v_cache[slots].to(cd).transpose(0, 1)
         res[b], logits = _attend(q[b].to(cd), keys, vals, sm_scale, G)
         scores[b, :, :n] = logits
+        r = b if score_rows is None else int(score_rows[b])
+        if norms_out is not None and r >= 0:
+            norms_out[r, :, :n] = torch.linalg.vector_norm(keys, dim=-1).to(norms_out.dtype)
     if score_rows is not None:
         for b, r in enumerate(score_rows.tolist()):
             if r >= 0:
@@ -240,11 +244,6 @@ def ref_pack(k_cache, v_cache, req_to_token, req_pool_indices, positions, packed
         packed_k[pool, h, e] = k_cache[slots, h].to(packed_k.dtype)
         packed_v[pool, h, e] = v_cache[slots, h].to(packed_v.dtype)
     return packed_k, packed_v
-
-
-def ref_store_key_norms(k, cache_loc, norms_pool, **_ignored):
-    norms_pool[cache_loc.long()] = torch.linalg.vector_norm(k.double(), dim=-1).to(norms_pool.dtype)
-    return norms_pool
 
 
 def ref_build_lists(q, req_to_token, req_pool_indices, L, start, seq_lens, win_start, n_sinks, sel_pos,

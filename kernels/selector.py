@@ -20,7 +20,7 @@ float32, with the per-(b, h) reductions over N done as split partials:
 The top-k itself is kernels/topk.py.
 
 Bytes at B = 8, H_kv = 8, G = 4, N = 128K (logits 134 MB float32): logits read twice
-(268 MB), lf/z/s/key written and read once or twice (~200 MB), key norms 34 MB.
+(268 MB), lf/z/s/key written and read once or twice (~200 MB), key norms (bf16) 17 MB.
 """
 
 import math
@@ -93,11 +93,11 @@ def _row_stats_kernel(Logits, Lo, Hi, Stat_m, Stat_l,
 
 
 @triton.jit
-def _evid_prior_kernel(Logits, Norms, Tok, Lo, Hi, Stat_m, Stat_l, LF, Z, Part_m, Part_l,
-                       stride_lb, stride_lh, stride_lr, stride_nb, stride_nh, stride_nn, stride_tb,
+def _evid_prior_kernel(Logits, Norms, Lo, Hi, Stat_m, Stat_l, LF, Z, Part_m, Part_l,
+                       stride_lb, stride_lh, stride_lr, stride_nb, stride_nh, stride_nn,
                        H, R, N, CHUNK,
                        alpha, w_l2g, w_pos, pos_beta, pos_power, pos_tail,
-                       GEOMETRIC: tl.constexpr, USE_PRIOR: tl.constexpr, GATHER: tl.constexpr,
+                       GEOMETRIC: tl.constexpr, USE_PRIOR: tl.constexpr,
                        BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     bh = tl.program_id(0)
     s = tl.program_id(1)
@@ -157,12 +157,7 @@ def _evid_prior_kernel(Logits, Norms, Tok, Lo, Hi, Stat_m, Stat_l, LF, Z, Part_m
         mp, lp = _part(lf, cand)
         m_f, l_f = _acc(m_f, l_f, mp, lp)
         if USE_PRIOR:
-            if GATHER:  # Norms is the pool [tokens, H]: position n of row b is token Tok[b, n]
-                tok = tl.load(Tok + b.to(tl.int64) * stride_tb + offs_n, mask=cand, other=0)
-                nrm = tl.load(Norms + tok.to(tl.int64) * stride_nn + h * stride_nh, mask=cand,
-                              other=1.0).to(tl.float32)
-            else:
-                nrm = tl.load(nbase + offs_n.to(tl.int64) * stride_nn, mask=cand, other=1.0).to(tl.float32)
+            nrm = tl.load(nbase + offs_n.to(tl.int64) * stride_nn, mask=cand, other=1.0).to(tl.float32)
             u = tl.minimum(tl.maximum((offs_n - lo).to(tl.float32) / denom, 0.0), 1.0)
             omu = tl.maximum(1.0 - u, 0.5 / denom)
             upow = tl.where(u > 0, tl.exp2(pos_power * tl.log2(tl.where(u > 0, u, 1.0))), 0.0)
@@ -330,12 +325,9 @@ def _num_splits(BH, N, block_n, device):
     return 1 << (ns.bit_length() - 1)
 
 
-def fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg, block_n=None, workspace=None, upto=4,
-                   norm_tokens=None):
+def fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg, block_n=None, workspace=None, upto=4):
     """Top-k key [B, H, N] float32 (see module doc) from logits [B, H, R, N] (any float
-    dtype, last dim contiguous), key_norms [B, H, N] (any strides) -- or, with
-    norm_tokens [B, >= N] int (position -> token slot, last dim contiguous), the pool
-    [tokens, H] the norms are gathered from inside the kernel --, lo/hi [B] int,
+    dtype, last dim contiguous), key_norms [B, H, N] (any strides), lo/hi [B] int,
     lam_max [B] float32 (per-row clamp of l*). Same as selector.select_scores + the key of
     selector.top_k_positions, in float32. No host sync. `upto` < 4 stops after that many
     Triton launches (profiling only: the result is then not the key)."""
@@ -367,19 +359,13 @@ def fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg, block_n=None, worksp
         H, R, N, CHUNK, BLOCK_S=BLOCK_S, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, num_warps=nw)
     if upto < 2:
         return key
-    gather = norm_tokens is not None
-    if gather:
-        assert key_norms.dim() == 2 and norm_tokens.stride(-1) == 1
-        n_strides = (0, key_norms.stride(1), key_norms.stride(0), norm_tokens.stride(0))
-    else:
-        n_strides = (key_norms.stride(0), key_norms.stride(1), key_norms.stride(2), 0)
     _evid_prior_kernel[(B * H, NS)](
-        logits, key_norms, norm_tokens if gather else key_norms, lo, hi, stat_m, stat_l, lf, z,
-        part_m, part_l, logits.stride(0), logits.stride(1), logits.stride(2), *n_strides,
+        logits, key_norms, lo, hi, stat_m, stat_l, lf, z,
+        part_m, part_l, logits.stride(0), logits.stride(1), logits.stride(2), *key_norms.stride(),
         H, R, N, CHUNK,
         float(cfg.alpha if not geometric_ev else 1.0), float(cfg.w_l2 * cfg.key_norm_gamma),
         float(cfg.w_pos), float(cfg.pos_beta), float(cfg.pos_power), float(cfg.pos_tail),
-        GEOMETRIC=geometric_ev, USE_PRIOR=bool(cfg.use_prior), GATHER=gather, BLOCK_S=BLOCK_S,
+        GEOMETRIC=geometric_ev, USE_PRIOR=bool(cfg.use_prior), BLOCK_S=BLOCK_S,
         BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, num_warps=nw)
     if upto < 3:
         return key

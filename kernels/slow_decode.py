@@ -6,8 +6,11 @@ scores [B, H_q, N_max] float32: positions < seq_len hold the logits, positions i
 [seq_len, N_max) are written as -inf by the same launch (no separate fill pass). With
 score_rows [B] int32, row b's logits go to scores[score_rows[b]] and rows at -1 write none
 (a decode step's few slow rows among its dense rows: scores has only their rows).
-Extra bytes: scores write = G*4 bytes per (token, KV head) against 2*D*elt bytes of K+V
-read, i.e. 16 vs 512 bytes (3.1%) at G=4, D=128, bf16.
+norms [B, H_kv, N_max] (optional, bfloat16): the key norms ||k_j|| of positions < seq_len
+(the Selector's structural prior), from the keys the pass reads anyway; the tail is not
+written (the Selector reads candidates only), so no copy of the norms lives beside the pool.
+Extra bytes: scores write = G*4 bytes per (token, KV head) and a norm 2 bytes against 2*D*elt
+bytes of K+V read, i.e. 18 vs 512 bytes (3.5%) at G=4, D=128, bf16.
 """
 
 import torch
@@ -23,14 +26,15 @@ MAX_SPLITS = 128
 @triton.jit
 def _dense_scores_kernel(
     Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, qk_scale_log2,
-    Out, Mid_o, Mid_lse, Scores, Score_rows,
+    Out, Mid_o, Mid_lse, Scores, Score_rows, Norms,
     stride_qb, stride_qh,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     stride_rt,
     stride_ob, stride_oh,
-    stride_sb, stride_sh, N_max,
+    stride_sb, stride_sh, N_max, stride_nb, stride_nh,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WRITE_SCORES: tl.constexpr, ROW_MAP: tl.constexpr,
+    WRITE_NORMS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -64,6 +68,7 @@ def _dense_scores_kernel(
         srow = b.to(tl.int64)
     mask_s = mask_g & (srow >= 0)  # the heads whose logits this program writes
     sc_base = Scores + tl.maximum(srow, 0) * stride_sb + hq[:, None] * stride_sh
+    nm_base = Norms + tl.maximum(srow, 0) * stride_nb + h * stride_nh
     inv_log2e = 1.0 / 1.4426950408889634
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + offs_nb
@@ -78,6 +83,10 @@ def _dense_scores_kernel(
         if WRITE_SCORES:
             tl.store(sc_base + offs_n[None, :], qk * inv_log2e,
                      mask=mask_s[:, None] & mask_n[None, :])
+        if WRITE_NORMS:
+            kf = k.to(tl.float32)
+            tl.store(nm_base + offs_n, tl.sqrt(tl.sum(kf * kf, 1)).to(Norms.dtype.element_ty),
+                     mask=mask_n & (srow >= 0))
 
     if WRITE_SCORES:
         # Tail [seq_len, N_max) -> -inf, split evenly over the num_splits programs (none
@@ -98,7 +107,7 @@ def _dense_scores_kernel(
 
 def _dense_launch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
                   out, scores, write_scores, num_splits, max_len, block_n, num_warps, num_stages,
-                  score_rows=None):
+                  score_rows=None, norms=None):
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
@@ -114,18 +123,21 @@ def _dense_launch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
     ieee = q.dtype == torch.float32
     mid_o, mid_lse = split_partials(B, Hq, D, num_splits, q.device)
     sc = scores if write_scores else out
+    nm = norms if norms is not None else out
     grid = (B, Hkv, num_splits)
     _dense_scores_kernel[grid](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, float(sm_scale) * LOG2E,
-        out, mid_o, mid_lse, sc, score_rows if score_rows is not None else seq_lens,
+        out, mid_o, mid_lse, sc, score_rows if score_rows is not None else seq_lens, nm,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0),
         out.stride(0), out.stride(1),
         sc.stride(0) if write_scores else 0, sc.stride(1) if write_scores else 0,
         scores.shape[2] if write_scores else 0,
+        nm.stride(0) if norms is not None else 0, nm.stride(1) if norms is not None else 0,
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
         IEEE=ieee, WRITE_SCORES=write_scores, ROW_MAP=score_rows is not None,
+        WRITE_NORMS=norms is not None,
         num_warps=num_warps or 4, num_stages=num_stages or 2,
     )
     if num_splits > 1:
@@ -135,11 +147,14 @@ def _dense_launch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
 
 def dense_decode_with_scores(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                              sm_scale, scores_out=None, out=None, num_splits=None, max_len=None,
-                             block_n=None, num_warps=None, num_stages=None, score_rows=None):
+                             block_n=None, num_warps=None, num_stages=None, score_rows=None,
+                             norms_out=None):
     """Dense decode attention + raw scaled logits. Returns (out [B,H_q,D], scores
     [B,H_q,N_max] float32). N_max = scores_out.shape[2] if given, else max_len if given,
     else max(seq_lens) (a host sync; slow steps run eagerly). score_rows [B] int32
-    (needs scores_out): row b's logits at scores_out[score_rows[b]], none where -1."""
+    (needs scores_out): row b's logits at scores_out[score_rows[b]], none where -1.
+    norms_out [rows, H_kv, >= N] (optional, last dim contiguous): the key norms of each
+    row's positions < seq_len, in the same rows as its logits."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     assert Hq % Hkv == 0
@@ -156,11 +171,12 @@ def dense_decode_with_scores(q, k_cache, v_cache, req_to_token, req_pool_indices
         from .reference import ref_dense_decode_with_scores
         return ref_dense_decode_with_scores(q, k_cache, v_cache, req_to_token, req_pool_indices,
                                             seq_lens, sm_scale, scores_out=scores_out, out=out,
-                                            score_rows=score_rows)
+                                            score_rows=score_rows, norms_out=norms_out)
     if max_len is None:
         max_len = scores_out.shape[2]
     _dense_launch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
-                  out, scores_out, True, num_splits, max_len, block_n, num_warps, num_stages, score_rows)
+                  out, scores_out, True, num_splits, max_len, block_n, num_warps, num_stages, score_rows,
+                  norms_out)
     return out, scores_out
 
 

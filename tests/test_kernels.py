@@ -510,11 +510,17 @@ def test_dense_decode_with_scores(G, D, splits, block_n, seq_lens, extra):
     args = (st["q"], st["k_cache"], st["v_cache"], st["req_to_token"], st["req_pool_indices"],
             st["seq_lens"], scale)
     scores = torch.full((len(seq_lens), Hkv * G, n_max), float("nan"), device=DEV)
+    norms = torch.full((len(seq_lens), Hkv, n_max), float("nan"), device=DEV)  # float32: the math
     out = torch.full_like(st["q"], float("nan"))
     ref_out, ref_sc = K.ref_dense_decode_with_scores(*args, n_max=n_max)
     o, sc = K.dense_decode_with_scores(*args, scores_out=scores, out=out, num_splits=splits,
-                                       block_n=block_n)
+                                       block_n=block_n, norms_out=norms)
     assert o.data_ptr() == out.data_ptr() and sc.data_ptr() == scores.data_ptr()
+    # the key norms of every row's positions < seq_len against float64; the tail unwritten
+    for b, n in enumerate(seq_lens):
+        keys = st["k_cache"][st["req_to_token"][st["req_pool_indices"][b], :n].long()].double()
+        assert rel_err(norms[b, :, :n].double(), torch.linalg.vector_norm(keys, dim=-1).T) < 1e-6
+        assert torch.isnan(norms[b, :, n:]).all()
     assert torch.isfinite(out).all()
     assert rel_err(out, ref_out) < TOL[torch.float32]
     assert not torch.isnan(sc).any(), "score element left unwritten"
@@ -536,21 +542,30 @@ def test_dense_decode_with_scores_into_score_rows():
     n_max = max(seq_lens) + 9
     rows = torch.tensor([-1, 1, -1, 0], dtype=torch.int32, device=DEV)  # 2 slow rows of 4
     ref_out, ref_sc = K.ref_dense_decode_with_scores(*args, n_max=n_max)
+    bf16 = dict(dtype=torch.bfloat16, device=DEV)  # the norms' dtype in the backend (NORM_DTYPE)
+    ref_norms = torch.full((3, Hkv, n_max), float("nan"), **bf16)
+    ro, rsc = K.ref_dense_decode_with_scores(*args, scores_out=torch.zeros(2, Hkv * G, n_max, device=DEV),
+                                             score_rows=rows, norms_out=ref_norms)
+    assert torch.equal(rsc[0], ref_sc[3].float()) and torch.equal(rsc[1], ref_sc[1].float())
     for split in (1, 3):
         scores = torch.full((3, Hkv * G, n_max), float("nan"), device=DEV)  # row 2: no batch row
+        norms = torch.full((3, Hkv, n_max), float("nan"), **bf16)
         out = torch.empty_like(st["q"])
         o, sc = K.dense_decode_with_scores(*args, scores_out=scores, out=out, num_splits=split,
-                                           block_n=16, score_rows=rows)
+                                           block_n=16, score_rows=rows, norms_out=norms)
         assert sc.data_ptr() == scores.data_ptr()
         assert rel_err(o, ref_out) < TOL[torch.float32]  # every row attends
         for b, r in ((3, 0), (1, 1)):
             fin = torch.isfinite(ref_sc[b])
             assert torch.equal(torch.isfinite(sc[r]).cpu(), fin.cpu())
             assert rel_err(sc[r][fin], ref_sc[b][fin]) < TOL[torch.float32]
+            # bf16: at most one step apart (2^-7 relative; the interpreter's cast and torch's
+            # may round a norm to neighbouring steps)
+            n = seq_lens[b]
+            assert rel_err(norms[r, :, :n].double(), ref_norms[r, :, :n].double()) < 2 ** -7
+            assert torch.isnan(norms[r, :, n:]).all() and torch.isnan(ref_norms[r, :, n:]).all()
         assert torch.isnan(sc[2]).all(), "a score row no batch row maps to was written"
-    ro, rsc = K.ref_dense_decode_with_scores(*args, scores_out=torch.zeros(2, Hkv * G, n_max, device=DEV),
-                                             score_rows=rows)
-    assert torch.equal(rsc[0], ref_sc[3].float()) and torch.equal(rsc[1], ref_sc[1].float())
+        assert torch.isnan(norms[2]).all(), "a norm row no batch row maps to was written"
 
 
 def test_dense_decode_with_scores_allocates():
@@ -595,25 +610,6 @@ def test_pack(D, P, block_p):
     pos = int(positions[b, h, 5])
     slot = int(st["req_to_token"][pool, pos])
     assert torch.equal(pk[pool, h, 5], st["k_cache"][slot, h])
-
-
-# -------------------------------------------------------------------------- key norms
-
-@pytest.mark.parametrize("H,D,dtype", [(2, 32, torch.float32), (3, 48, torch.float32), (8, 128, torch.float32),
-                                         (8, 128, torch.bfloat16)])  # bf16: the pool KeyNorms makes
-def test_store_key_norms(H, D, dtype):
-    T, slots = 37, 100
-    k = torch.randn(T, H, D, device=DEV)
-    loc = torch.randperm(slots, device=DEV)[:T]
-    norms = torch.full((slots, H), float("nan"), device=DEV, dtype=dtype)
-    ref = norms.clone()
-    K.store_key_norms(k, loc, norms)
-    K.ref_store_key_norms(k, loc, ref)
-    assert torch.equal(torch.isnan(norms), torch.isnan(ref))
-    assert int((~torch.isnan(norms[:, 0])).sum()) == T
-    # float32: the float64 norm to float32 rounding; bf16: at most one bf16 step apart (2^-7
-    # relative; the interpreter's cast and torch's may round a norm to neighbouring steps)
-    assert rel_err(norms[loc].double(), ref[loc].double()) < (1e-6 if dtype == torch.float32 else 2 ** -7)
 
 
 # ------------------------------------------------------------------- CPU fallback path
@@ -742,7 +738,7 @@ def recorded_variants():
 
 def launch_decode_step_kernels():
     """Every kernel a decode step launches (fast step; slow step: dense attention with
-    scores, the fused Selector, top-k, the store and pack; dense layers; key norms), driven as the
+    scores and key norms, the fused Selector, top-k, the store and pack; dense layers), driven as the
     backend drives it, over batch sizes 1 and 8 and contexts 300 and 1500."""
     from sfi_sglang.method.config import SFIConfig
 
@@ -758,14 +754,13 @@ def launch_decode_step_kernels():
                       st["req_pool_indices"], st["seq_lens"])
             K.fast_decode(*common, win_start, st["packed_k"], st["packed_v"], packed_len, D ** -0.5)
             n_max = -(-max(seq_lens) // bucket) * bucket  # the backend's score buffer (SCORE_BUCKET)
-            _, scores = K.dense_decode_with_scores(*common, D ** -0.5, max_len=n_max)
+            norms = torch.empty((B, Hkv, n_max), dtype=torch.bfloat16, device=DEV)
+            _, scores = K.dense_decode_with_scores(*common, D ** -0.5, max_len=n_max, norms_out=norms)
             K.dense_decode(*common, D ** -0.5, max_len=max(seq_lens))
-            norms = torch.rand(st["k_cache"].shape[0], Hkv, device=DEV) + 0.5
-            tokens = st["req_to_token"][st["req_pool_indices"], :n_max]
             hi = (st["seq_lens"].long() - W).clamp_min(S)
             lam_max = torch.full((B,), cfg.lambda_max_single, device=DEV)
             key = K.fused_topk_key(scores.view(B, Hkv, G, n_max), norms, torch.full_like(hi, S), hi,
-                                   lam_max, cfg, norm_tokens=tokens)
+                                   lam_max, cfg)
             sel = K.topk_positions(key, Kc)
             M = st["packed_k"].shape[0]
             i32 = dict(dtype=torch.int32, device=DEV)
@@ -776,7 +771,6 @@ def launch_decode_step_kernels():
                               torch.zeros(M, dtype=torch.int64, device=DEV), torch.zeros(M, **i32),
                               torch.zeros(M, dtype=torch.int64, device=DEV), torch.zeros(M, **i32),
                               st["packed_k"], st["packed_v"])
-            K.store_key_norms(st["k_cache"][:B], st["req_pool_indices"], norms)
 
 
 def test_batch_and_context_build_no_new_kernel_variant():
@@ -789,7 +783,7 @@ def test_batch_and_context_build_no_new_kernel_variant():
         launch_decode_step_kernels()
     launched = {"_fast_decode_kernel", "_dense_scores_kernel", "_row_stats_kernel",
                 "_evid_prior_kernel", "_fuse_kernel", "_nms_excl_kernel", "_hist_kernel",
-                "_count_kernel", "_write_kernel", "_pool_kernel", "_store_kernel", "_key_norms_kernel"}
+                "_count_kernel", "_write_kernel", "_pool_kernel", "_store_kernel"}
     assert launched <= set(keys), sorted(set(keys))
     # one variant per kernel; the dense kernel has two (with and without scores) and the
     # top-k histogram one per radix pass, whatever the batch and context

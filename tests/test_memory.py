@@ -24,7 +24,6 @@ if not torch.cuda.is_available():
 from sfi_sglang.method.config import SFIConfig  # noqa: E402
 from sfi_sglang.kernels import reference as REF  # noqa: E402
 from sfi_sglang.method.memory import SparseMemory  # noqa: E402
-from sfi_sglang.method.selector import KeyNorms  # noqa: E402
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -367,28 +366,30 @@ def test_reset_store_and_bytes():
     assert many.bytes() == SparseMemory.footprint(L, Hkv, D, CFG, torch.float16, True, 50, rows=4)
 
 
-def test_kv_budget_sets_aside_sparse_memory_and_key_norms():
+def test_kv_budget_sets_aside_the_sparse_memory_and_nothing_per_token():
     from sfi_sglang.method.config import SFIConfigError
     from sfi_sglang.method.memory import kv_budget
 
     L, H, D, slots = 4, 2, 16, 3
     per_slot = SparseMemory.footprint(L, H, D, CFG, torch.bfloat16, True, 1)
-    kv_cell, norm_cell = 2 * L * H * D * 2, L * H * KeyNorms.DTYPE.itemsize
-    avail = (slots + 1) * per_slot + 1000 * (kv_cell + norm_cell)
+    kv_cell = 2 * L * H * D * 2
+    avail = (slots + 1) * per_slot + 1000 * kv_cell + kv_cell - 1
     left = kv_budget(avail, L, H, D, CFG, torch.bfloat16, True, slots)
-    assert left == 1000 * kv_cell  # 1000 tokens of K/V, and their key norms beside them
+    # every byte past the memory is SGLang's: no key norms beside the pool (the slow pass
+    # computes them from the keys it reads)
+    assert left == 1001 * kv_cell - 1
     with pytest.raises(SFIConfigError, match="lower --sfi-memory-rows"):
         kv_budget((slots + 1) * per_slot, L, H, D, CFG, torch.bfloat16, True, slots)
     # --sfi-memory-rows auto: the rows set aside are no fewer than the backend makes of the
     # pool it gets (cfg.rows_for of SGLang's token count, at most the budget's)
     auto = CFG.replace(memory_rows="auto")
     for tokens in (0, 250, 5000):
-        avail = 30 * per_slot + tokens * (kv_cell + norm_cell)
-        left = kv_budget(avail, L, H, D, auto, torch.bfloat16, False, 40)
+        avail = 30 * per_slot + tokens * kv_cell
+        left = kv_budget(avail, L, H, D, auto, torch.bfloat16, False, 40, rows="auto")  # as hooks passes it
         pool = left // kv_cell
         made = auto.rows_for(pool, 41)
         assert avail - left >= SparseMemory.footprint(L, H, D, auto, torch.bfloat16, False, 41, rows=made)
-        assert left <= kv_budget(avail, L, H, D, CFG.replace(memory_rows=1), torch.bfloat16, False, 40)
+        assert left <= kv_budget(avail, L, H, D, CFG.replace(memory_rows=1), torch.bfloat16, False, 40, rows=1)
     assert made == 41  # 5000 tokens hold more than the 41 slots' worth of S + W + K = 60
     # a number of rows past the slots sets aside one per slot (the backend makes no more)
     assert (kv_budget(avail, L, H, D, CFG, torch.bfloat16, False, 40, rows=500)
@@ -396,41 +397,51 @@ def test_kv_budget_sets_aside_sparse_memory_and_key_norms():
 
 
 def test_score_buffers_are_made_once_and_set_aside_from_the_kv_budget(monkeypatch):
-    """The slow pass's score buffers (step.ScoreBuffers) are allocated at the backend's start,
-    one row per score row of a step (step.score_rows), and SGLang's KV budget shrinks by
-    exactly their bytes (hooks._reserve_sfi_memory passes reserve_bytes to kv_budget)."""
+    """The slow pass's score and key-norm buffers (step.ScoreBuffers) are allocated at the
+    backend's start, one row per score row of a step (step.score_rows), and SGLang's KV
+    budget shrinks by exactly their bytes (hooks._reserve_sfi_memory passes reserve_bytes to
+    kv_budget)."""
     from sfi_sglang.method import step
     from sfi_sglang.method.memory import kv_budget
     from sfi_sglang.method.step import ScoreBuffers
 
-    rows, sparse, hq, width = 5, 3, 4, 100
-    sb = ScoreBuffers("cpu", True, rows, sparse, hq, width, batched=True)
-    one, per_row = 4 * rows * hq * width, 4 * sparse * hq * width
-    assert sb.bytes() == one + rows * per_row == ScoreBuffers.reserve_bytes(rows, sparse, hq, width, True)
-    assert sb.layer(rows, None).data_ptr() == sb.layer(2, None).data_ptr()  # never replaced
+    rows, sparse, hq, hkv, width = 5, 3, 4, 2, 100
+    sb = ScoreBuffers("cpu", True, rows, sparse, hq, hkv, width, batched=True)
+    wn = 104  # the norms' width: 100 rounded up to 16 bytes of bf16
+    cell = 4 * hq * width + 2 * hkv * wn  # a row's float32 logits and bf16 key norms
+    one, per_row = rows * cell, sparse * cell
+    assert sb.bytes() == one + rows * per_row == ScoreBuffers.reserve_bytes(rows, sparse, hq, hkv, width, True)
+    s1, n1 = sb.layer(rows, None)
+    s2, n2 = sb.layer(2, None)
+    assert (s1.data_ptr(), n1.data_ptr()) == (s2.data_ptr(), n2.data_ptr())  # never replaced
+    assert n1.shape == (rows, hkv, wn) and n1.dtype == torch.bfloat16
     with pytest.raises(RuntimeError, match="score rows"):
         sb.layer(rows + 1, None)
-    assert sb.step(rows).shape == (sparse, rows, hq, width) and sb.step(rows + 1) is None
-    # the batched Selector's buffer holds as many rows as SELECT_BATCH_BYTES allows
+    sc, nm = sb.step(rows)
+    assert sc.shape == (sparse, rows, hq, width) and nm.shape == (sparse, rows, hkv, wn)
+    # every layer's and row's norms start 16-byte aligned (one Triton variant for all)
+    assert all(nm[i, r].data_ptr() % 16 == 0 for i in range(sparse) for r in range(rows))
+    assert sb.step(rows + 1) is None
+    # the batched Selector's buffers hold as many rows as SELECT_BATCH_BYTES allows
     monkeypatch.setattr(step, "SELECT_BATCH_BYTES", 2 * per_row)
-    assert ScoreBuffers.reserve_bytes(rows, sparse, hq, width, True) == one + 2 * per_row
-    assert ScoreBuffers.reserve_bytes(rows, sparse, hq, width, False) == one
-    assert ScoreBuffers("cpu", False, rows, sparse, hq, width, True).bytes() == 0  # the torch reference
+    assert ScoreBuffers.reserve_bytes(rows, sparse, hq, hkv, width, True) == one + 2 * per_row
+    assert ScoreBuffers.reserve_bytes(rows, sparse, hq, hkv, width, False) == one
+    assert ScoreBuffers("cpu", False, rows, sparse, hq, hkv, width, True).bytes() == 0  # the torch reference
     monkeypatch.undo()
-    # Qwen3-4B at a 128K context: 64 slots without a limit on slow rows ~1 GiB (the
+    # Qwen3-4B at a 128K context: 64 slots without a limit on slow rows ~1.1 GiB (the
     # batched buffer does not fit 256 MiB); with the default limit of 8, 8 rows whatever
     # the slots
-    big = ScoreBuffers.reserve_bytes(step.score_rows(65, 0), 34, 32, 131072 + 4, True)
-    assert big == 65 * 32 * (131072 + 4) * 4
+    big = ScoreBuffers.reserve_bytes(step.score_rows(65, 0), 34, 32, 8, 131072 + 4, True)
+    assert big == 65 * (32 * 4 * (131072 + 4) + 8 * 2 * (131072 + 8))
     assert step.score_rows(65, SFIConfig().max_slow_rows) == 8 and step.score_rows(3, 8) == 3
     assert step.score_rows(65, 0, 5) == 5 and step.score_rows(65, 8, 5) == 5 and step.score_rows(3, 0, 5) == 3
     L, H, D, slots = 4, 2, 16, 3
-    kv_cell, norm_cell = 2 * L * H * D * 2, L * H * KeyNorms.DTYPE.itemsize
+    kv_cell = 2 * L * H * D * 2
     mem = SparseMemory.footprint(L, H, D, CFG, torch.bfloat16, True, slots + 1)
     scores = sb.bytes()
-    avail = mem + scores + 1000 * (kv_cell + norm_cell)
+    avail = mem + scores + 1000 * kv_cell
     assert kv_budget(avail, L, H, D, CFG, torch.bfloat16, True, slots, scores) == 1000 * kv_cell
-    assert kv_budget(avail, L, H, D, CFG, torch.bfloat16, True, slots) == (avail - mem) * kv_cell // (kv_cell + norm_cell)
+    assert kv_budget(avail, L, H, D, CFG, torch.bfloat16, True, slots) == avail - mem
 
 
 def test_step_plan_limits_slow_rows_and_maps_them_to_score_rows():
@@ -508,12 +519,15 @@ def test_kernel_path_matches_reference(G, full):
         assert rel_err(out, ref) < 1e-5, m.fast_path
         if full:
             assert rel_err(out, dense64(st, D ** -0.5)) < 1e-5
-    # slow step: dense + scores, kernel vs reference
-    o_ref, s_ref = mems[0].attend_slow(1, *args, max_len=max(t) + 3)
-    o_k, s_k = mems[1].attend_slow(1, *args, max_len=max(t) + 3)
+    # slow step: dense + scores + key norms, kernel vs reference
+    o_ref, s_ref, n_ref = mems[0].attend_slow(1, *args, max_len=max(t) + 3)
+    o_k, s_k, n_k = mems[1].attend_slow(1, *args, max_len=max(t) + 3)
     assert rel_err(o_k, o_ref) < 1e-5 and rel_err(o_ref, dense64(st, D ** -0.5)) < 1e-5
     fin = torch.isfinite(s_ref)
     assert torch.equal(fin, torch.isfinite(s_k)) and rel_err(s_k[fin], s_ref[fin]) < 1e-5
+    live = fin[:, ::s_ref.shape[1] // n_ref.shape[1]]  # [b, H_kv, N]: positions < seq_len
+    assert n_k.dtype == n_ref.dtype == torch.bfloat16
+    assert rel_err(n_k[live].double(), n_ref[live].double()) < 2 ** -7  # one bf16 step
 
 
 @kernel_test
@@ -667,25 +681,24 @@ def test_export_import_and_step_counters():
 
 
 @kernel_test
-def test_kernel_fused_selector_gathers_pool_norms():
-    """norm_tokens: the fused Selector reads the norms from an SGLang-layout pool [slots, H]
-    through each position's KV slot (what the backend passes), same key as the norms
-    gathered beforehand; the torch path does that gather itself."""
+def test_kernel_fused_selector_reads_norms_on_the_candidates_only():
+    """The slow pass writes key norms for positions < seq_len only (its buffers' tails keep
+    whatever they held): NaN norms off the candidates [lo, hi) change neither the fused
+    key nor the torch path's choice."""
     from sfi_sglang.method import selector as S
 
     cfg = SFIConfig(dense_layers=())
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    B, H, R, N, T = 2, 4, 1, 200, 1000
+    B, H, R, N = 2, 4, 1, 200
     logits = (torch.randn(B, H, R, N, generator=gen) * 3).to(DEV)
-    pool = (torch.rand(T, H, generator=gen) * 4 + 0.2).to(DEV)
-    tokens = torch.stack([torch.randperm(T, generator=gen)[:N] for _ in range(B)]).int().to(DEV)
+    norms = (torch.rand(B, H, N, generator=gen) * 4 + 0.2).to(DEV)
     lo, hi = torch.tensor([4, 4], device=DEV), torch.tensor([150, 190], device=DEV)
-    norms = pool[tokens.long()].permute(0, 2, 1)
-    key = S.select_key_fused(logits, norms, lo, hi, 1, cfg)
-    key_g = S.select_key_fused(logits, pool, lo, hi, 1, cfg, norm_tokens=tokens)
-    assert torch.equal(key, key_g)
-    pos = S.select(logits, pool, lo, hi, 32, 1, cfg, fused=False, norm_tokens=tokens)
-    assert torch.equal(pos, S.select(logits, norms, lo, hi, 32, 1, cfg, fused=False))
+    off = ~S.candidate_mask(lo, hi, N)[:, None, :].expand(B, H, N)
+    poisoned = norms.masked_fill(off, float("nan"))
+    assert torch.equal(S.select_key_fused(logits, norms, lo, hi, 1, cfg),
+                       S.select_key_fused(logits, poisoned, lo, hi, 1, cfg))
+    assert torch.equal(S.select(logits, norms, lo, hi, 32, 1, cfg, fused=False),
+                       S.select(logits, poisoned, lo, hi, 32, 1, cfg, fused=False))
 
 
 @kernel_test
@@ -808,7 +821,7 @@ def test_flashinfer_path_runs_a_large_step_by_chunks():
     buffers (`lengths(chunk=...)` restarts its offsets), and gives what one pass over the
     whole batch gives, bit for bit, log-sum-exp included: the reference fast step."""
     from sfi_sglang.kernels import flashinfer_fast as fif
-    from sfi_sglang.method.memory import FastLists
+    from sfi_sglang.method.step import FastLists
 
     Hkv, G, D = 2, 2, 16
     cfg = CFG.replace(fast_path="flashinfer", max_interval=300)

@@ -73,7 +73,7 @@ def test_sfi_memory_comes_out_of_sglang_budget(server):
     assert info["triton_attention_num_kv_splits"] == 64
     m = info["internal_states"][0]["sfi"]["memory"]
     assert m["allocated_slots"] == m["slots"] == 65
-    # the key norms follow the pool's token count (+ SGLang's padding token): 1 MiB slack
+    # what the backend allocated is what was set aside for it (1 MiB slack for rounding)
     assert 0 < m["allocated"] <= m["reserved"] + 2**20 and m["reserved"] < m["available"]
     assert 0 < m["pool_of_dense"] == round(m["kv_budget"] / m["available"], 4) < 1
 

@@ -20,7 +20,7 @@ layers only read it. Where the state lives:
   - StepPlan (method.step): per-slot switches; it decides on the device, at each decode
     forward, which rows are fast, slow or dense; TriggerPolicy (method.boundary) keeps the
     boundary table and the refresh counters;
-  - Selection and KeyNorms (method.selector): where selections are made and stored;
+  - Selection (method.selector): where selections are made and stored;
   - Slots (integration.slots): each slot's request record, retraction, radix sharing;
   - HostPath (method.baselines): rows the device step cannot serve (eager steps only);
   - StepTopUp (method.topup): the pages a fast step reads besides its memory (--sfi-topup-pages).
@@ -51,7 +51,7 @@ from sfi_sglang.method.boundary import AdaptiveMonitor, TriggerPolicy, extra_bou
 from sfi_sglang.method.config import SFIConfigError, server_config
 from sfi_sglang.method.memory import NO_WINDOW, SparseMemory
 from sfi_sglang.method.options import EXTRA_IDS_KEY
-from sfi_sglang.method.selector import KeyNorms, Selection
+from sfi_sglang.method.selector import Selection
 from sfi_sglang.method.step import ScoreBuffers, StepMetadata, StepPlan, dense_step, score_rows
 from sfi_sglang.method.topup import PageSummaries, StepTopUp
 
@@ -107,12 +107,11 @@ class SFIAttnBackend(AttentionBackend):
                                    group=max(1, self.num_q_heads // k0.shape[1]),
                                    rows=rows or None)
         self.memory.fast_ws[0] = NO_WINDOW  # slot 0: SGLang's padding rows
-        self.norms = KeyNorms(self.num_layers, k0.shape[0], k0.shape[1], k0.device)
         self.policy = _trigger_policy(model_runner, cfg, max_slots, self.device)
         self.step = StepPlan(self.policy, max_slots, self.num_layers, self.device, cfg.max_slow_rows, rows)
         self.sparse_ids = cfg.sparse_layers(self.num_layers)
         self._sparse_index = {lid: i for i, lid in enumerate(self.sparse_ids)}
-        self.selection = Selection(cfg, self.memory, self.norms, self._kv, r2t, self.sparse_ids)
+        self.selection = Selection(cfg, self.memory, self._kv, r2t, self.sparse_ids)
         self.monitor = AdaptiveMonitor(self.policy, self.sparse_ids, max_slots, self.num_q_heads,
                                        k0.device, on=cfg.refresh == "adaptive")
         self.host = HostPath(self.memory, self.policy, self.step, self.selection, self.monitor)
@@ -125,8 +124,8 @@ class SFIAttnBackend(AttentionBackend):
         self.slots = Slots(cfg, self.memory, self.step, self.policy, self._kv, r2t, self.num_layers)
         self.scores = ScoreBuffers(k0.device, self.memory.packed,
                                    score_rows(max_slots, cfg.max_slow_rows, rows),
-                                   len(self.sparse_ids),
-                                   self.num_q_heads, r2t.shape[1], batched=cfg.method == "sfi")
+                                   len(self.sparse_ids), self.num_q_heads, k0.shape[1],
+                                   r2t.shape[1], batched=cfg.method == "sfi")
         self.meta = StepMetadata()
         self._sync_guard = os.environ.get(graph_if.SYNC_GUARD_ENV) == "1"
         self.boundaries = self.policy.table_summary(cfg.boundaries, 0)  # see install_boundaries
@@ -307,7 +306,6 @@ class SFIAttnBackend(AttentionBackend):
                        save_kv_cache=True, **kwargs):
         o = self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         if save_kv_cache and k is not None:
-            self.norms.store(k, layer, forward_batch.out_cache_loc)
             self.summarize(layer.layer_id, forward_batch)
         mode = forward_batch.forward_mode
         if mode.is_extend() and not mode.is_mixed():
@@ -328,8 +326,6 @@ class SFIAttnBackend(AttentionBackend):
         host-path rows of an eager step."""
         meta, lid = self.meta, layer.layer_id
         rows = meta.rows
-        if save_kv_cache and k is not None:
-            self.norms.store(k, layer, forward_batch.out_cache_loc)
         if rows is None or lid in self.cfg.dense_layers:
             # a layer the server keeps dense: SGLang's own dense decode, then the host-path
             # rows that have a memory there (their own dense_layers)
@@ -386,17 +382,19 @@ class SFIAttnBackend(AttentionBackend):
             # rows that are not slow or dense read nothing (length 0); their output stays
             # fast. Slow rows write their logits to their score rows (rows.score_row)
             lens = torch.where(need, seq_lens, torch.zeros_like(seq_lens))
-            out = (batched[self._sparse_index[lid]] if batched is not None
-                   else self.scores.layer(rows.sel_slots.shape[0], meta.ref_len))
-            od, scores = mem.attend_slow(lid, q, kc, vc, r2t, slots, lens, scale, scores_out=out,
-                                         score_rows=rows.score_row)
+            i = self._sparse_index[lid]
+            out, norms_out = ((batched[0][i], batched[1][i]) if batched is not None
+                              else self.scores.layer(rows.sel_slots.shape[0], meta.ref_len))
+            od, scores, norms = mem.attend_slow(lid, q, kc, vc, r2t, slots, lens, scale, scores_out=out,
+                                                norms_out=norms_out, score_rows=rows.score_row)
             o.copy_(torch.where(need[:, None, None], od, o))
             if batched is None:
-                self.selection.layer_maybe_async(lid, rows.sel_slots, rows.sel_l[lid], scores, rows.sel_lens)
+                self.selection.layer_maybe_async(lid, rows.sel_slots, rows.sel_l[lid], scores, norms,
+                                                 rows.sel_lens)
 
         graph_if.run_if(rows.need[lid], dense_pass)
         if batched is not None and lid == self.sparse_ids[-1]:
-            graph_if.run_if(rows.any_slow, lambda: self.selection.layers(rows.sel_slots, rows.sel_l, batched,
+            graph_if.run_if(rows.any_slow, lambda: self.selection.layers(rows.sel_slots, rows.sel_l, *batched,
                                                                          rows.sel_lens))
         return o
 

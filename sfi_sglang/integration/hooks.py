@@ -169,6 +169,7 @@ def _reserve_sfi_memory(original, self, *args, **kwargs):
     slots = sa.max_running_requests or 4096
     num_layers = mc.num_hidden_layers
     scores = 0
+    kv_heads = mc.get_num_kv_heads(sa.tp_size)
     if packed:  # the backend's ScoreBuffers: a step's score rows, req_to_token's width
         from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
 
@@ -177,9 +178,8 @@ def _reserve_sfi_memory(original, self, *args, **kwargs):
         rows = 0 if cfg.memory_rows == "auto" else cfg.memory_rows
         scores = ScoreBuffers.reserve_bytes(score_rows(slots + 1, cfg.max_slow_rows, rows),
                                             len(cfg.sparse_layers(num_layers)),
-                                            max(1, mc.num_attention_heads // sa.tp_size),
+                                            max(1, mc.num_attention_heads // sa.tp_size), kv_heads,
                                             width, batched=cfg.method == "sfi")
-    kv_heads = mc.get_num_kv_heads(sa.tp_size)
     budget = kv_budget(available, num_layers, kv_heads, mc.head_dim, cfg, self.kv_cache_dtype, packed,
                        slots, scores, group=max(1, mc.num_attention_heads // sa.tp_size // kv_heads),
                        q_dtype=getattr(mc, "dtype", None), rows=cfg.memory_rows or None,
@@ -394,7 +394,7 @@ def _add_sfi_state(result, self, *args, **kwargs):
     be = state.active()
     if be is not None:  # what the backend allocated against what was reserved for it
         summaries = 0 if be.summaries is None else be.summaries.bytes()
-        memory.update(allocated=be.memory.bytes() + be.norms.bytes() + be.scores.bytes() + summaries,
+        memory.update(allocated=be.memory.bytes() + be.scores.bytes() + summaries,
                       allocated_scores=be.scores.bytes(), allocated_page_summaries=summaries,
                       allocated_slots=be.memory.max_slots,
                       rows=be.memory.rows.total, pool_tokens=be.token_to_kv_pool.size,

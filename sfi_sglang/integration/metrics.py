@@ -38,7 +38,7 @@ request's steps are counted when it finishes (aborted requests included).
     sglang:sfi_memory_rows                           memory rows allocated (without
                                                      --sfi-memory-rows, one per slot)
     sglang:sfi_memory_bytes_in_use                   bytes of the memory rows in use
-    sglang:sfi_memory_bytes                          bytes allocated (memory + key norms)
+    sglang:sfi_memory_bytes                          bytes allocated (memory + slow-step buffers)
     sglang:sfi_radix_node_memories                   radix nodes holding a memory
     sglang:sfi_radix_memory_hits_total               requests that started from a node's memory
     sglang:sfi_radix_memory_evictions_total{reason}  memories dropped: tree_evict (their node
@@ -117,7 +117,7 @@ class SFIMetrics:
         self.rows_in_use = gauge("memory_rows_in_use", "SFI memory rows held by requests.")
         self.rows = gauge("memory_rows", "SFI memory rows allocated.")
         self.bytes_in_use = gauge("memory_bytes_in_use", "Bytes of the SFI memory rows in use.")
-        self.bytes = gauge("memory_bytes", "Bytes allocated for SFI (memory slots and key norms).")
+        self.bytes = gauge("memory_bytes", "Bytes allocated for SFI (memory rows and the slow step's score buffers).")
         self.node_memories = gauge("radix_node_memories", "Radix tree nodes holding an SFI memory.")
         self.radix_hits = counter("radix_memory_hits_total",
                                   "Requests that started from a radix node's SFI memory.")
@@ -165,8 +165,7 @@ class SFIMetrics:
         the radix cache's NodeMemoryPool (sfi_sglang.integration.radix) or None."""
         mem = backend.memory
         if self._sizes is None:  # fixed at allocation
-            norms = backend.norms.bytes()
-            self._sizes = (mem.row_bytes(), mem.bytes() + norms)
+            self._sizes = (mem.row_bytes(), mem.bytes() + backend.scores.bytes())
             self.slots.labels(**self.labels).set(mem.max_slots)
             self.rows.labels(**self.labels).set(mem.rows.total)
             self.bytes.labels(**self.labels).set(self._sizes[1])

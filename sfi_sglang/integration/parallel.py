@@ -5,7 +5,7 @@ backend and `sfi` radix cache, over the KV heads SGLang gives it (H_kv / T; on t
 engine a head count that T does not divide is padded first, with zero heads, by
 sglang/srt/configs/update_config.py adjust_config_with_unaligned_cpu_tp). So, per rank:
 
-- the sparse memory (selections, packed K/V) and the key norms of its own KV heads;
+- the sparse memory (selections, packed K/V) of its own KV heads;
 - the Selector, and so its cross-head exclusivity, over its own KV heads only: heads of
   other ranks do not compete for positions (nothing is gathered across ranks);
 - the radix node memories (its heads' selections of a shared prefix);

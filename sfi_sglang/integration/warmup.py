@@ -1,7 +1,7 @@
 """Kernel warm-up of the `sfi` backend, run once when it is made (CUDA kernel path only).
 
 Compiles the kernels of a prompt's selection and of every kind of decode row (slow: dense
-attention with scores, the Selector, pack; fast; dense; key norms, page summaries) before serving.
+attention with scores and key norms, the Selector, pack; fast; dense; page summaries) before serving.
 Otherwise the first request to need each one waits for its compile, seconds each, once per
 process (bench/NOTES.md, section 6). No kernel variant follows the batch or the context
 (tests/test_kernels.py); what remains is the prompt length modulo 16 (Triton's
@@ -54,7 +54,6 @@ def warm_up(backend) -> None:
                 backend.begin_decode(fb)
                 k = zeros(2, hkv * d, dt=dtype)
                 for layer in layers:
-                    backend.norms.store(k, layer, fb.out_cache_loc)  # KV slot 0: SGLang's padding
                     backend.summarize(layer.layer_id, fb)
                     backend.forward_decode(zeros(2, num_q_heads * d, dt=dtype), k, k, layer, fb,
                                            save_kv_cache=False)

@@ -104,10 +104,10 @@ class HostPath:
                 continue
             # a slow step's output is its dense pass (the device pass skips host rows on the
             # CPU: backend._host_only), and its logits make the new selection
-            od, scores = mem.attend_slow(lid, q[i:i + 1], kc, vc, r2t, rpi, sl, scale, max_len=n)
+            od, scores, norms = mem.attend_slow(lid, q[i:i + 1], kc, vc, r2t, rpi, sl, scale, max_len=n)
             o[i] = od[0]
             self.selection.layer(lid, rpi, torch.ones(1, dtype=torch.bool, device=scores.device), scores,
-                                 sl.to(torch.int64), cfg=cfg)
+                                 norms, sl.to(torch.int64), cfg=cfg)
 
     def topup(self, lid: int, slot: int, step: int, q, k_cache, req_to_token, rpi, seq_lens, cfg) -> torch.Tensor:
         """The top-up pages [1, H_kv, P] of slot's fast step `step` at layer lid

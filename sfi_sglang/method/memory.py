@@ -25,13 +25,12 @@ instead (kernels.flashinfer_fast: page size 1, KV heads folded into the batch, e
 read in place, so nothing is packed): `plan_fast` once per batch size (host), `fast_lists`
 once per step and `attend_fast` per layer (device, CUDA-graph capturable).
 
-Slow steps: `attend_slow` = dense attention + raw logits (the Selector's evidence) through
-kernels.dense_decode_with_scores (packed) or kernels.reference (CPU).
+Slow steps: `attend_slow` = dense attention + raw logits (the Selector's evidence) and key
+norms (its prior) in one pass: kernels.dense_decode_with_scores, or kernels.reference (CPU).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
@@ -40,7 +39,8 @@ from torch.nn.functional import scaled_dot_product_attention
 from sfi_sglang.kernels.reference import extra_positions
 from sfi_sglang.method.config import KERNEL_FAST_PATHS, SFIConfigError
 from sfi_sglang.method.rows import MemoryRows
-from sfi_sglang.method.selector import KeyNorms
+from sfi_sglang.method.selector import NORM_DTYPE, key_norms
+from sfi_sglang.method.step import FastLists
 from sfi_sglang.method.topup import PageSummaries
 
 # A window start past any context: the fast kernel reads no window for such a slot (SGLang's
@@ -513,43 +513,42 @@ class SparseMemory:
     def attend_slow(self, layer_id: int, q: torch.Tensor, k_cache, v_cache, req_to_token,
                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                     out: Optional[torch.Tensor] = None, scores_out: Optional[torch.Tensor] = None,
-                    max_len: Optional[int] = None, score_rows: Optional[torch.Tensor] = None):
-        """Dense attention + raw logits: (out [b, H_q, D] q.dtype, scores [b, H_q, N_max]
-        float32, -inf at positions >= seq_len). N_max = scores_out.shape[2], else max_len,
-        else max(seq_lens) (host sync). score_rows [b] int32, optional: row i's logits go
-        to scores_out[score_rows[i]], none where it is -1 (a step's slow rows among its
-        dense ones: StepPlan's score rows). Packed: kernels.dense_decode_with_scores; else the
-        logits and the output from the torch reference in float32 (kernels.reference), in the
-        torch_native layout (bit-identical to SGLang's dense decode on the CPU)."""
+                    max_len: Optional[int] = None, score_rows: Optional[torch.Tensor] = None,
+                    norms_out: Optional[torch.Tensor] = None):
+        """Dense attention + raw logits + key norms in one pass: (out [b, H_q, D] q.dtype,
+        scores [b, H_q, N] float32, -inf at positions >= seq_len, norms [b, H_kv, >= N]
+        NORM_DTYPE, ||k|| of positions < seq_len: the Selector's prior). N =
+        scores_out.shape[2], else max_len, else max(seq_lens) (host sync). score_rows [b]
+        int32, optional: row i's logits and norms go to row score_rows[i] of scores_out and
+        norms_out, none where it is -1 (a step's slow rows among its dense ones: StepPlan's
+        score rows). Packed: kernels.dense_decode_with_scores; else the torch reference in
+        float32 (kernels.reference), in the torch_native layout (bit-identical to SGLang's
+        dense decode on the CPU)."""
         rpi = req_pool_indices.to(self.device).long()
-        if self.packed:
-            return self._k.dense_decode_with_scores(q, k_cache, v_cache, req_to_token, rpi,
-                                                    seq_lens, sm_scale, scores_out=scores_out,
-                                                    out=out, max_len=max_len, score_rows=score_rows)
-        if out is None:
-            out = torch.empty_like(q)
         n = scores_out.shape[2] if scores_out is not None else self._ref_len(seq_lens, max_len)
+        if norms_out is None:
+            norms_out = q.new_empty((q.shape[0] if scores_out is None else scores_out.shape[0],
+                                     self.num_kv_heads, n), dtype=NORM_DTYPE)
+        if self.packed:
+            out, scores = self._k.dense_decode_with_scores(q, k_cache, v_cache, req_to_token, rpi, seq_lens,
+                                                           sm_scale, scores_out=scores_out, out=out, max_len=n,
+                                                           score_rows=score_rows, norms_out=norms_out)
+            return out, scores, norms_out
+        out = torch.empty_like(q) if out is None else out
+        mask = self._dense_mask(seq_lens, n)  # past seq_len: any slot's norm, never read
+        norms = key_norms(k_cache[torch.where(mask[:, 0], req_to_token[rpi, :n].long(), 0)]).permute(0, 2, 1)
+        rows = torch.arange(q.shape[0], device=q.device) if score_rows is None else score_rows.long()
         logits = scores_out if scores_out is not None and score_rows is None else None
         if logits is None:
             logits = torch.empty((q.shape[0], q.shape[1], n), dtype=torch.float32, device=q.device)
-        self._attend_masked_ref(q, k_cache, v_cache, req_to_token, rpi, self._dense_mask(seq_lens, n),
-                                sm_scale, out, logits_out=logits)
+        self._attend_masked_ref(q, k_cache, v_cache, req_to_token, rpi, mask, sm_scale, out, logits_out=logits)
+        kept = rows >= 0
+        norms_out[rows[kept], :, :n] = norms[kept]
         if score_rows is None:
-            return out, logits
+            return out, logits, norms_out
         assert scores_out is not None, "score_rows needs scores_out"
-        kept = score_rows >= 0
-        scores_out[score_rows[kept].long()] = logits[kept]
-        return out, scores_out
-
-
-@dataclass
-class FastLists:
-    """A decode step's FlashInfer list lengths (SparseMemory.fast_lists), [B] each."""
-
-    lengths: torch.Tensor  # int32, capped at fast_cap
-    start: torch.Tensor  # int32, where the row's lists begin in the page buffer (within its chunk)
-    win_start: torch.Tensor  # int64, the window starts
-    over: torch.Tensor  # bool, lists longer than fast_cap
+        scores_out[rows[kept]] = logits[kept]
+        return out, scores_out, norms_out
 
 
 def kv_budget(available: int, num_layers: int, num_kv_heads: int, head_dim: int, cfg, dtype,
@@ -559,30 +558,26 @@ def kv_budget(available: int, num_layers: int, num_kv_heads: int, head_dim: int,
     sparse memory (`slots` + 1 request slots like SGLang's req_to_token, `rows` memory rows
     (None: one per slot; "auto": cfg.rows_for the pool these bytes would hold without
     them, no fewer than the backend makes of the pool it gets); `dtype` the KV cache's,
-    `q_dtype` the model's where they differ: an fp8 cache), the slow
-    pass's score buffers (`scores` bytes: step.ScoreBuffers.reserve_bytes), the key norms
-    (per KV-pool token) and the top-up's page summaries (per pool page of --page-size
-    `page_size`: topup.PageSummaries). Raises SFIConfigError when nothing would be left.
-    Called where SGLang sizes its pools (hooks._reserve_sfi_memory)."""
+    `q_dtype` the model's where they differ: an fp8 cache), the slow pass's score and
+    key-norm buffers (`scores` bytes: step.ScoreBuffers.reserve_bytes) and the top-up's page
+    summaries (per pool page of --page-size `page_size`: topup.PageSummaries). Raises
+    SFIConfigError when nothing would be left. Called where SGLang sizes its pools
+    (hooks._reserve_sfi_memory)."""
     kv_cell = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
-    norm_cell = num_layers * num_kv_heads * KeyNorms.DTYPE.itemsize  # the key norms: L x [tokens, H_kv]
     if rows is not None:  # SFIConfig.rows_for: auto from the pool without them, never past the slots
-        rows = cfg.replace(memory_rows=rows).rows_for(max(0, available - scores) // (kv_cell + norm_cell),
-                                                      slots + 1)
+        rows = cfg.replace(memory_rows=rows).rows_for(max(0, available - scores) // kv_cell, slots + 1)
     mem = SparseMemory.footprint(num_layers, num_kv_heads, head_dim, cfg, dtype, packed, slots + 1, rows,
                                  group, q_dtype)
-    side_cell = norm_cell + PageSummaries.token_bytes(cfg, page_size, num_layers, num_kv_heads, head_dim,
-                                                      dtype.itemsize)
+    side_cell = PageSummaries.token_bytes(cfg, page_size, num_layers, num_kv_heads, head_dim, dtype.itemsize)
     left = int((available - mem - scores) * kv_cell // (kv_cell + side_cell))
     if left <= 0:
         raise SFIConfigError(
             f"SFI's sparse memory for {slots} request slots needs {mem / 2**30:.2f} GiB "
             f"({mem / ((slots if rows is None else rows) + 1) / 2**20:.1f} MiB per memory row with "
-            f"--sfi-budget {cfg.budget}) "
-            f"and its slow-step score buffers {scores / 2**30:.2f} GiB "
+            f"--sfi-budget {cfg.budget}) and its slow-step score buffers {scores / 2**30:.2f} GiB "
             f"but the KV budget is {available / 2**30:.2f} GiB: lower --sfi-memory-rows (or "
-            "--max-running-requests without it), "
-            "--sfi-budget or --context-length, or raise --mem-fraction-static")
+            "--max-running-requests without it), --sfi-budget or --context-length, or raise "
+            "--mem-fraction-static")
     return int(left)
 
 

@@ -14,9 +14,10 @@ selection time, lo = sinks and hi = max(lo, n - window); the selector chooses am
 positions [lo, hi). If hi - lo <= k, every candidate is selected, so the sparse
 memory (sinks + selected + window) is the whole history.
 
-`KeyNorms` holds the cached ||k_j|| the prior reads; `Selection` runs the Selector where a
-selection is made (a prompt's end, a slow row's layer, or every sparse layer of a slow step
-at once) and stores the result in the SparseMemory.
+`Selection` runs the Selector where a selection is made (a prompt's end, a slow row's layer,
+or every sparse layer of a slow step at once) and stores the result in the SparseMemory. The
+key norms ||k_j|| the prior reads come with the logits: the slow pass computes them from the
+keys it reads (kernels/slow_decode.py), so none are kept beside SGLang's pool.
 """
 
 from __future__ import annotations
@@ -292,12 +293,11 @@ def _top_k_from_key_torch(key: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def select(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-           k: int, n_rows, cfg: SFIConfig, fused=None, norm_tokens=None) -> torch.Tensor:
+           k: int, n_rows, cfg: SFIConfig, fused=None) -> torch.Tensor:
     """Selected positions [B, H, k] int64 (sorted ascending, -1 padding at the end).
 
     logits [B, H, R, N] of the slow step's rows (-inf where masked), key_norms [B, H, N]
-    -- or, with norm_tokens [B, N] int (each position's KV-pool slot), SGLang-layout norms
-    [slots, H] gathered by them (inside the fused kernel) --, lo/hi [B] the candidate range
+    (read on the candidates only), lo/hi [B] the candidate range
     [lo, hi) (see candidate_range), n_rows the number of captured query rows (int or [B]).
     fused: use the Triton pipeline (select_key_fused); default: on CUDA when Triton
     imports. Either way no host sync (CUDA-graph capturable). B may flatten layers x
@@ -306,10 +306,8 @@ def select(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor, hi: 
     if fused is None:
         fused = logits.is_cuda and _fused_available()
     if fused:
-        key = select_key_fused(logits, key_norms, lo, hi, n_rows, cfg, norm_tokens=norm_tokens)
+        key = select_key_fused(logits, key_norms, lo, hi, n_rows, cfg)
         return top_k_pages(key, k, cfg.selection_page) if cfg.selection_page > 1 else _top_k_from_key(key, k)
-    if norm_tokens is not None:
-        key_norms = key_norms[norm_tokens.long()].permute(0, 2, 1)
     score = select_scores(logits, key_norms, lo, hi, n_rows, cfg)
     return top_k_positions(score, candidate_mask(lo, hi, logits.shape[-1]), k, cfg.selection_page)
 
@@ -331,7 +329,7 @@ def _fused_available() -> bool:
 
 
 def select_key_fused(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Tensor,
-                     hi: torch.Tensor, n_rows, cfg: SFIConfig, norm_tokens=None) -> torch.Tensor:
+                     hi: torch.Tensor, n_rows, cfg: SFIConfig) -> torch.Tensor:
     """Steps 1-6 + the top-k key of top_k_positions, fused in Triton (kernels/selector.py):
     [B, H, N] float32, s'' on the candidates (float32 lowest where s'' is -inf), -inf off
     them. Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1. No host sync."""
@@ -345,38 +343,20 @@ def select_key_fused(logits: torch.Tensor, key_norms: torch.Tensor, lo: torch.Te
     else:
         lam_max = torch.full((b,), cfg.lambda_max_single if int(n_rows) == 1 else cfg.lambda_max_multi,
                              dtype=torch.float32, device=logits.device)
-    return kernels.fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg, norm_tokens=norm_tokens)
+    return kernels.fused_topk_key(logits, key_norms, lo, hi, lam_max, cfg)
 
 
 # ------------------------------------------------------------------ where selections are made
-class KeyNorms:
-    """||k|| per layer, KV-pool token and KV head (bfloat16: the prior reads 0.5 log ||k||,
-    where bf16's relative error of 2^-9 moves it by 0.001; half of float32's bytes, which
-    SGLang's pool gets back), written with K, so a request
-    reusing a cached prefix reuses its norms. One tensor per layer, like SGLang's K and V
-    buffers, each 16-byte aligned (Triton specializes on pointer alignment, so every layer
-    runs the same kernel variant); they are views of one tensor whose layers start 8 rows
-    apart, so the batched Selector gathers every layer's norms through one pointer."""
+# The key norms' dtype: the prior reads 0.5 log ||k||, which bf16's relative error of 2^-9
+# moves by 0.001; half of float32's bytes in the slow pass's norm buffers.
+NORM_DTYPE = torch.bfloat16
 
-    DTYPE = torch.bfloat16
 
-    def __init__(self, num_layers: int, tokens: int, num_kv_heads: int, device):
-        self.rows = -(-tokens // 8) * 8  # a layer's stride in the flat view
-        self.all = torch.zeros(num_layers, self.rows, num_kv_heads, dtype=self.DTYPE, device=device)
-        self.layers = [n[:tokens] for n in self.all.unbind(0)]
-
-    def store(self, k: torch.Tensor, layer, out_cache_loc: torch.Tensor) -> None:
-        from sfi_sglang.kernels import store_key_norms
-
-        store_key_norms(k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim), out_cache_loc,
-                        self.layers[layer.layer_id])
-
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.layers)
-
-    def flat(self) -> torch.Tensor:
-        """[layers * rows, H_kv]: layer l's token t at row l * rows + t."""
-        return self.all.view(-1, self.all.shape[-1])
+def key_norms(keys: torch.Tensor) -> torch.Tensor:
+    """||k|| over the last dim, rounded to NORM_DTYPE as the slow pass writes them: in float32
+    on a GPU (as the kernel), in float64 on the CPU (as the torch reference)."""
+    wide = torch.float64 if keys.device.type == "cpu" else torch.float32
+    return torch.linalg.vector_norm(keys.to(wide), dim=-1).to(NORM_DTYPE)
 
 
 class Selection:
@@ -385,12 +365,10 @@ class Selection:
     (asynchronous maintenance, CUDA) a layer's Selector and pack overlap the step's later
     layers, and the next forward waits for them (`join`)."""
 
-    def __init__(self, cfg: SFIConfig, memory, norms: KeyNorms, kv, req_to_token, sparse_ids: list[int]):
-        self.cfg, self.memory, self.norms, self.kv, self.req_to_token = cfg, memory, norms, kv, req_to_token
+    def __init__(self, cfg: SFIConfig, memory, kv, req_to_token, sparse_ids: list[int]):
+        self.cfg, self.memory, self.kv, self.req_to_token = cfg, memory, kv, req_to_token
         self.sparse_ids = sparse_ids
-        dev = memory.device
-        self.sparse_t = torch.tensor(sparse_ids, dtype=torch.int64, device=dev)
-        self.norm_offsets = torch.tensor([lid * norms.rows for lid in sparse_ids], dtype=torch.int32, device=dev)
+        self.sparse_t = torch.tensor(sparse_ids, dtype=torch.int64, device=memory.device)
         self.side_stream = None
         self._side_pending = False  # side-stream work not yet joined
 
@@ -404,7 +382,7 @@ class Selection:
             torch.cuda.current_stream(self.memory.device).wait_stream(self.side_stream)
             self._side_pending = False
 
-    def positions(self, cfg: SFIConfig, logits, norms, lo, hi, n_rows, norm_tokens=None) -> torch.Tensor:
+    def positions(self, cfg: SFIConfig, logits, norms, lo, hi, n_rows) -> torch.Tensor:
         """Selected positions [b, H_kv, <= K] (sorted, -1 padded) from logits [b, H_kv, R', N];
         lo, hi [b] int64 tensors on the logits' device; norms as in `select`."""
         if cfg.method == "snapkv":
@@ -413,7 +391,7 @@ class Selection:
                 sel = snapkv_select(logits[i].cpu(), l, h, cfg.budget)
                 out[i, :, :sel.shape[1]] = sel
             return out.to(logits.device)
-        return select(logits, norms, lo, hi, cfg.budget, n_rows, cfg, norm_tokens=norm_tokens)
+        return select(logits, norms, lo, hi, cfg.budget, n_rows, cfg)
 
     def bootstrap(self, lid: int, q_rows: torch.Tensor, slot: int, n: int, cfg: SFIConfig,
                   scaling: float) -> None:
@@ -431,7 +409,7 @@ class Selection:
             row_pos = torch.arange(n - rows, n, device=keys.device)
             causal = torch.arange(n, device=keys.device)[None, :] > row_pos[:, None]  # [R, n]
             logits = logits.masked_fill(causal, float("-inf")).reshape(1, hkv, -1, n)
-            norms = self.norms.layers[lid][tokens].transpose(0, 1)[None]  # [1, H_kv, n]
+            norms = key_norms(keys).transpose(0, 1)[None]  # [1, H_kv, n]
             bounds = torch.tensor([[lo], [hi]], device=keys.device)
             pos = self.positions(cfg, logits, norms, bounds[0], bounds[1], rows)
         else:
@@ -439,9 +417,10 @@ class Selection:
         self.memory.store(lid, [slot], pos, min(cfg.budget, hi - lo), hi, k_cache, v_cache,
                           self.req_to_token, seq_lens=torch.tensor([n]))
 
-    def layer(self, lid: int, slots, slow_rows, scores, seq_lens, cfg: Optional[SFIConfig] = None) -> None:
+    def layer(self, lid: int, slots, slow_rows, scores, norms, seq_lens, cfg: Optional[SFIConfig] = None) -> None:
         """One layer's rows `slow_rows` [B] select from their dense logits scores [B, H_q, N]
-        (other rows: no candidates, memory unchanged); `cfg` default the server's. A decode
+        and key norms norms [B, H_kv, >= N] (the slow pass's; other rows: no candidates, memory
+        unchanged); `cfg` default the server's. A decode
         step passes its score rows (StepPlan: slots, slow rows and lengths of rows whose
         logits `scores` holds). No host sync, no host-made tensor: CUDA-graph capturable
         (snapkv aside)."""
@@ -449,32 +428,30 @@ class Selection:
         b, hq, n = scores.shape
         hkv = self.memory.num_kv_heads
         logits = scores.view(b, hkv, hq // hkv, n)
-        tokens = self.req_to_token[slots, :n]  # position -> KV slot
         lo, hi = candidate_range(seq_lens, cfg.sinks, cfg.window)
         hi = torch.where(slow_rows, hi, lo)
-        # the Selector gathers the key norms of the candidates itself (in-kernel on CUDA)
-        pos = self.positions(cfg, logits, self.norms.layers[lid], lo, hi, 1, norm_tokens=tokens)
+        pos = self.positions(cfg, logits, norms[:, :, :n], lo, hi, 1)
         k_cache, v_cache = self.kv(lid)
         self.memory.store(lid, slots, pos, (hi - lo).clamp_max(cfg.budget), hi, k_cache, v_cache,
                           self.req_to_token, seq_lens=seq_lens, only=slow_rows)
 
-    def layer_maybe_async(self, lid: int, slots, slow_rows, scores, seq_lens) -> None:
+    def layer_maybe_async(self, lid: int, slots, slow_rows, scores, norms, seq_lens) -> None:
         """`layer`, on the side stream when asynchronous maintenance is on."""
         side = self.side_stream
         if side is None:
-            self.layer(lid, slots, slow_rows, scores, seq_lens)
+            self.layer(lid, slots, slow_rows, scores, norms, seq_lens)
             return
         side.wait_stream(torch.cuda.current_stream(self.memory.device))
         self._side_pending = True
         with torch.cuda.stream(side):
-            self.layer(lid, slots, slow_rows, scores, seq_lens)
-        for t in (scores, seq_lens, slow_rows):  # made on the main stream, used on the side
+            self.layer(lid, slots, slow_rows, scores, norms, seq_lens)
+        for t in (scores, norms, seq_lens, slow_rows):  # made on the main stream, used on the side
             t.record_stream(side)
 
-    def layers(self, slots, slow_l, scores, seq_lens) -> None:
+    def layers(self, slots, slow_l, scores, norms, seq_lens) -> None:
         """The step's end: the Selector for every sparse layer at once, over their scores
-        [L_sparse, B, H_q, N] (rows = layers x requests; the key norms of each layer through
-        its offset into the flat norms), then each layer's store of its slow rows slow_l
+        [L_sparse, B, H_q, N] and key norms [L_sparse, B, H_kv, >= N] (rows = layers x
+        requests), then each layer's store of its slow rows slow_l
         [L, B] (B: the step's score rows, StepPlan). A layer's selection is first read by
         the next step's fast kernel, and a slow
         row's output at this step is its dense pass's: the same result as selecting layer by
@@ -485,10 +462,8 @@ class Selection:
         lo, hi = candidate_range(seq_lens, cfg.sinks, cfg.window)
         slow = slow_l.index_select(0, self.sparse_t)  # [L_sparse, B]
         lo_all = torch.full((ls * b,), cfg.sinks, dtype=torch.int64, device=hi.device)
-        tokens = self.req_to_token[slots, :n]
-        norm_tokens = (tokens[None] + self.norm_offsets[:, None, None]).view(ls * b, n)
-        pos = select(logits, self.norms.flat(), lo_all, torch.where(slow, hi, cfg.sinks).view(-1),
-                     cfg.budget, 1, cfg, norm_tokens=norm_tokens)
+        pos = select(logits, norms.view(ls * b, mem.num_kv_heads, -1)[:, :, :n], lo_all,
+                     torch.where(slow, hi, cfg.sinks).view(-1), cfg.budget, 1, cfg)
         cnt = (hi - cfg.sinks).clamp_max(cfg.budget)
         for i, lid in enumerate(self.sparse_ids):
             k_cache, v_cache = self.kv(lid)

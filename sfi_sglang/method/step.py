@@ -38,9 +38,11 @@ at it): it is never slow and never dense.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
+
+from sfi_sglang.method.selector import NORM_DTYPE
 
 SLOW_LOG = 1024  # slow steps whose decode step meta_info lists per request
 
@@ -207,6 +209,16 @@ def dense_step(seq_lens_cpu: Optional[torch.Tensor], memory_tokens: int, below: 
 
 
 @dataclass
+class FastLists:
+    """A decode step's FlashInfer list lengths (SparseMemory.fast_lists), [B] each."""
+
+    lengths: torch.Tensor  # int32, capped at fast_cap
+    start: torch.Tensor  # int32, where the row's lists begin in the page buffer (within its chunk)
+    win_start: torch.Tensor  # int64, the window starts
+    over: torch.Tensor  # bool, lists longer than fast_cap
+
+
+@dataclass
 class StepMetadata:
     """One forward's SFI metadata, built once before the first layer (the backend's
     init_forward_metadata, or its out-graph / in-graph halves around a CUDA graph) and only
@@ -220,8 +232,9 @@ class StepMetadata:
     extra_rows: Optional[torch.Tensor] = None
     ref_len: Optional[int] = None  # the torch reference's length (its longest context)
     win_start: Optional[torch.Tensor] = None  # [B] the fast kernel's window starts
-    layer_scores: Optional[torch.Tensor] = None  # [L_sparse, B, H_q, N]: batched Selector
-    fast_plan: Any = None  # the FlashInfer fast path's list lengths (memory.FastLists)
+    # the batched Selector's ([L_sparse, B, H_q, N] scores, [L_sparse, B, H_kv, N] key norms)
+    layer_scores: Optional[tuple] = None
+    fast_plan: Optional[FastLists] = None  # the FlashInfer fast path's list lengths
     # the torch reference: [L, B] host rows whose own pass replaces the device pass at a layer
     host_only: Optional[torch.Tensor] = None
 
@@ -229,57 +242,74 @@ class StepMetadata:
 # A slow step keeps every sparse layer's scores until the step's end and runs the Selector
 # once for all layers (rows = layers x requests: ~15 launches instead of ~15 per layer)
 # while the scores of a step fit in this many bytes; larger steps select layer by layer.
-SELECT_BATCH_BYTES = 256 << 20
+SELECT_BATCH_BYTES = 256 << 20  # scores and key norms
 
 
 class ScoreBuffers:
-    """The slow pass's logits, float32 [rows, H_q, N], N = req_to_token's width (the torch
-    reference: the step's longest context). On the kernel path (`packed`) both buffers are
-    made once, at the backend's start, and never replaced (a CUDA graph holds no reference
-    to the tensors it writes): `rows` of them for one layer at a time (a decode step's
-    score rows: its slow rows, at most SFIConfig.max_slow_rows, else at most one per
-    request slot; `score_rows`), and, for the batched
-    Selector of a step's every sparse layer, as many rows as fit SELECT_BATCH_BYTES. SGLang's
-    KV budget sets their bytes aside (`reserve_bytes`, hooks._reserve_sfi_memory), so a full
-    pool under load cannot run the device out of memory at a slow step."""
+    """The slow pass's logits, float32 [rows, H_q, N], and key norms, NORM_DTYPE [rows, H_kv,
+    N'] (N' = N rounded up to 16 bytes, so that every row and layer starts 16-byte aligned:
+    Triton specializes on pointer alignment, and one kernel variant serves every layer), N =
+    req_to_token's width (the torch reference: the step's longest context). On the
+    kernel path (`packed`) the buffers are made once, at the backend's start, and never
+    replaced (a CUDA graph holds no reference to the tensors it writes): `rows` of them for
+    one layer at a time (a decode step's score rows: its slow rows, at most
+    SFIConfig.max_slow_rows, else at most one per request slot; `score_rows`), and, for the
+    batched Selector of a step's every sparse layer, as many rows as fit SELECT_BATCH_BYTES.
+    SGLang's KV budget sets their bytes aside (`reserve_bytes`, hooks._reserve_sfi_memory),
+    so a full pool under load cannot run the device out of memory at a slow step."""
 
     def __init__(self, device, packed: bool, rows: int, num_sparse: int, num_q_heads: int,
-                 width: int, batched: bool):
+                 num_kv_heads: int, width: int, batched: bool):
         self.device, self.packed = torch.device(device), packed
-        self.num_sparse, self.num_q_heads, self.width = num_sparse, num_q_heads, width
-        self.one: Optional[torch.Tensor] = None
-        self.layers: Optional[torch.Tensor] = None
+        self.num_sparse, self.num_q_heads, self.num_kv_heads, self.width = num_sparse, num_q_heads, num_kv_heads, width
+        per16 = 16 // NORM_DTYPE.itemsize
+        self.norm_width = -(-width // per16) * per16
+        self.one: Optional[tuple] = None  # (scores, norms) of one layer
+        self.layers: Optional[tuple] = None  # (scores, norms) of every sparse layer, flat
         if not packed:
             return
-        self.one = torch.empty((rows, num_q_heads, width), dtype=torch.float32, device=self.device)
-        per_row = num_sparse * num_q_heads * width
-        cap = min(SELECT_BATCH_BYTES // (4 * per_row), rows) if batched and num_sparse > 0 else 0
+        self.one = self._pair(rows)
+        per_row = num_sparse * self._row_bytes()
+        cap = min(SELECT_BATCH_BYTES // per_row, rows) if batched and num_sparse > 0 else 0
         if cap >= 1:
-            self.layers = torch.empty(cap * per_row, dtype=torch.float32, device=self.device)
+            self.layers = tuple(t.view(-1) for t in self._pair(cap * num_sparse))
+
+    def _pair(self, rows: int) -> tuple:
+        return (torch.empty((rows, self.num_q_heads, self.width), dtype=torch.float32, device=self.device),
+                torch.empty((rows, self.num_kv_heads, self.norm_width), dtype=NORM_DTYPE, device=self.device))
+
+    def _row_bytes(self) -> int:
+        return 4 * self.num_q_heads * self.width + NORM_DTYPE.itemsize * self.num_kv_heads * self.norm_width
 
     @staticmethod
-    def reserve_bytes(rows: int, num_sparse: int, num_q_heads: int, width: int, batched: bool) -> int:
+    def reserve_bytes(rows: int, num_sparse: int, num_q_heads: int, num_kv_heads: int, width: int,
+                      batched: bool) -> int:
         """Bytes the kernel path's buffers take (measured on the meta device, so it cannot
         drift from the allocation)."""
-        return ScoreBuffers("meta", True, rows, num_sparse, num_q_heads, width, batched).bytes()
+        return ScoreBuffers("meta", True, rows, num_sparse, num_q_heads, num_kv_heads, width, batched).bytes()
 
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.one, self.layers) if t is not None)
+        return sum(t.numel() * t.element_size() for pair in (self.one, self.layers) if pair is not None
+                   for t in pair)
 
-    def layer(self, rows: int, ref_len: Optional[int]) -> torch.Tensor:
-        """One layer's logits [rows, H_q, N]."""
+    def layer(self, rows: int, ref_len: Optional[int]) -> tuple:
+        """One layer's (logits [rows, H_q, N], key norms [rows, H_kv, >= N])."""
         if not self.packed:
-            return torch.empty((rows, self.num_q_heads, ref_len), dtype=torch.float32, device=self.device)
-        if rows > self.one.shape[0]:
+            return (torch.empty((rows, self.num_q_heads, ref_len), dtype=torch.float32, device=self.device),
+                    torch.empty((rows, self.num_kv_heads, ref_len), dtype=NORM_DTYPE, device=self.device))
+        if rows > self.one[0].shape[0]:
             raise RuntimeError(f"SFI: a decode step of {rows} score rows, beyond the "
-                               f"{self.one.shape[0]} its score buffer was made for")
-        return self.one[:rows]
+                               f"{self.one[0].shape[0]} its score buffer was made for")
+        return self.one[0][:rows], self.one[1][:rows]
 
-    def step(self, rows: int) -> Optional[torch.Tensor]:
-        """[L_sparse, rows, H_q, N] for a step whose Selectors run batched at its end, or
-        None: layer by layer (more than SELECT_BATCH_BYTES of scores, or the batched Selector
-        off)."""
-        per_row = self.num_sparse * self.num_q_heads * self.width
-        if self.layers is None or rows * per_row > self.layers.numel():
+    def step(self, rows: int) -> Optional[tuple]:
+        """([L_sparse, rows, H_q, N] scores, [L_sparse, rows, H_kv, N'] norms) for a step
+        whose Selectors run batched at its end, or None: layer by layer (more than
+        SELECT_BATCH_BYTES of buffers, or the batched Selector off)."""
+        n = self.num_sparse * rows
+        if self.layers is None or n * self.num_q_heads * self.width > self.layers[0].numel():
             return None
-        return self.layers[:rows * per_row].view(self.num_sparse, rows, self.num_q_heads, self.width)
+        return (self.layers[0][:n * self.num_q_heads * self.width].view(self.num_sparse, rows, self.num_q_heads,
+                                                                          self.width),
+                self.layers[1][:n * self.num_kv_heads * self.norm_width].view(self.num_sparse, rows, self.num_kv_heads,
+                                                                                self.norm_width))
