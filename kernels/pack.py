@@ -6,7 +6,6 @@ form a prefix (packed_len counts them); entries with -1 are left untouched. One 
 per (request, KV head, block of entries), vectorized over D; writes are contiguous rows.
 """
 
-import torch
 import triton
 import triton.language as tl
 

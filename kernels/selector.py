@@ -23,13 +23,12 @@ Bytes at B = 8, H_kv = 8, G = 4, N = 128K (logits 134 MB float32): logits read t
 (268 MB), lf/z/s/key written and read once or twice (~200 MB), key norms (bf16) 17 MB.
 """
 
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, num_sms, split_programs, use_triton
+from ._common import next_pow2, num_sms, split_programs
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
