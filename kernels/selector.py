@@ -23,7 +23,6 @@ Bytes at B = 8, H_kv = 8, G = 4, N = 128K (logits 134 MB float32): logits read t
 (268 MB), lf/z/s/key written and read once or twice (~200 MB), key norms (bf16) 17 MB.
 """
 
-
 import torch
 import triton
 import triton.language as tl
