@@ -535,15 +535,16 @@ class SparseMemory:
                                                            score_rows=score_rows, norms_out=norms_out)
             return out, scores, norms_out
         out = torch.empty_like(q) if out is None else out
-        mask = self._dense_mask(seq_lens, n)  # past seq_len: any slot's norm, never read
-        norms = key_norms(k_cache[torch.where(mask[:, 0], req_to_token[rpi, :n].long(), 0)]).permute(0, 2, 1)
+        mask = self._dense_mask(seq_lens, n)
         rows = torch.arange(q.shape[0], device=q.device) if score_rows is None else score_rows.long()
+        kept = rows >= 0
         logits = scores_out if scores_out is not None and score_rows is None else None
         if logits is None:
             logits = torch.empty((q.shape[0], q.shape[1], n), dtype=torch.float32, device=q.device)
         self._attend_masked_ref(q, k_cache, v_cache, req_to_token, rpi, mask, sm_scale, out, logits_out=logits)
-        kept = rows >= 0
-        norms_out[rows[kept], :, :n] = norms[kept]
+        # the norms of the rows that keep their logits only (past seq_len: any slot's, never read)
+        tok = torch.where(mask[kept, 0], req_to_token[rpi[kept], :n].long(), 0)
+        norms_out[rows[kept], :, :n] = key_norms(k_cache[tok]).permute(0, 2, 1)
         if score_rows is None:
             return out, logits, norms_out
         assert scores_out is not None, "score_rows needs scores_out"
