@@ -20,6 +20,7 @@ Writes fast_b1_h200.json to --out.
 """
 
 import argparse
+import importlib
 import itertools
 import json
 import os
@@ -31,7 +32,7 @@ import time
 import torch
 
 from sfi_sglang import kernels as K
-from sfi_sglang.kernels import fast_decode as FD
+FD = importlib.import_module("sfi_sglang.kernels.fast_decode")
 
 H_Q, H_KV, D, LAYERS = 32, 8, 128, 34  # Qwen3-4B
 SINKS, WINDOW, BUDGET = 4, 256, 2048
@@ -99,7 +100,7 @@ def layers_for(n, batch, dev, gen):
 
 def fast_calls(state, layers, splits, block_n, warps, stages):
     def call(ly):
-        return lambda: K.fast_decode(
+        return lambda: FD.fast_decode(
             ly["q"], ly["k"], ly["v"], state["req_to_token"], state["req_pool_indices"], state["seq_lens"],
             state["win_start"], None, None, state["packed_len"], D ** -0.5, out=ly["out"], num_splits=splits,
             max_window=WINDOW, block_n=block_n, num_warps=warps, num_stages=stages,
@@ -203,7 +204,9 @@ def main():
                 best[key] = r
     for r in res["rows"]:
         if r.get("shipped"):
-            b = best[(r["context"], r["batch"])]
+            b = best.get((r["context"], r["batch"]))
+            if b is None or "us_per_layer" not in r:
+                continue
             print(f"{r['context']}x{r['batch']}: shipped {r['us_per_layer']} us ({r['of_copy']:.0%} of copy), "
                   f"best {b['us_per_layer']} us ({b['of_copy']:.0%}) at splits {b['splits']} block_n {b['block_n']} "
                   f"warps {b['warps']} stages {b['stages']}", flush=True)
