@@ -10,7 +10,7 @@ layer has its own K/V pool, as in SGLang, so no layer reads another's bytes from
 34 launches are captured in one CUDA graph and replayed; the figure is the median replay
 over 34, so launch gaps count as they do in SGLang's decode graphs.
 
-Per (context, batch, splits, BLOCK_N, warps, stages): us per layer, GB/s over the bytes
+Per (context, batch, splits, BLOCK_N, warps, stages, split-K merge): us per layer, GB/s over the bytes
 read (K/V of S + K + W positions per KV head, plus positions and slots), and that as a
 share of the device's copy bandwidth. The first configuration is the shipped choice;
 every other one's output is checked against it. Also the floor of 34 captured launches of
@@ -98,13 +98,16 @@ def layers_for(n, batch, dev, gen):
     return state, layers
 
 
-def fast_calls(state, layers, splits, block_n, warps, stages):
+REDUCES = {"loop": True, "vector": "vector", "separate": False}  # fast_decode's fused_reduce
+
+
+def fast_calls(state, layers, splits, block_n, warps, stages, reduce="loop"):
     def call(ly):
         return lambda: FD.fast_decode(
             ly["q"], ly["k"], ly["v"], state["req_to_token"], state["req_pool_indices"], state["seq_lens"],
             state["win_start"], None, None, state["packed_len"], D ** -0.5, out=ly["out"], num_splits=splits,
             max_window=WINDOW, block_n=block_n, num_warps=warps, num_stages=stages,
-            sel_pos=ly["sel"], n_sinks=state["n_sinks"])
+            fused_reduce=REDUCES[reduce], sel_pos=ly["sel"], n_sinks=state["n_sinks"])
     return [call(ly) for ly in layers]
 
 
@@ -137,6 +140,7 @@ def main():
     p.add_argument("--block-n", default="16,32,64")
     p.add_argument("--warps", default="2,4")
     p.add_argument("--stages", default="2,3")
+    p.add_argument("--reduce", default="loop,vector,separate", help="the split-K merge: " + ", ".join(REDUCES))
     p.add_argument("--reps", type=int, default=25)
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -164,14 +168,15 @@ def main():
         shipped = FD.choose_num_splits(FD.split_programs(batch, H_KV), BUDGET + WINDOW, FD.BLOCK_N_DEFAULT, dev,
                                        min_blocks_per_split=2, max_splits=FD.MAX_SPLITS_DEFAULT,
                                        programs_per_sm=2, one_wave=True)
-        configs = [(shipped, FD.BLOCK_N_DEFAULT, FD.NUM_WARPS_DEFAULT, FD.NUM_STAGES_DEFAULT)]
+        configs = [(shipped, FD.BLOCK_N_DEFAULT, FD.NUM_WARPS_DEFAULT, FD.NUM_STAGES_DEFAULT, "loop")]
         configs += [c for c in itertools.product(ints(args.splits), ints(args.block_n), ints(args.warps),
-                                                 ints(args.stages)) if c != configs[0]]
+                                                 ints(args.stages), args.reduce.split(",")) if c != configs[0]]
         ref = None
-        for i, (splits, bn, w, st) in enumerate(configs):
-            row = dict(context=n, batch=batch, splits=splits, block_n=bn, warps=w, stages=st, shipped=i == 0)
+        for i, (splits, bn, w, st, red) in enumerate(configs):
+            row = dict(context=n, batch=batch, splits=splits, block_n=bn, warps=w, stages=st, reduce=red,
+                       shipped=i == 0)
             try:
-                calls = fast_calls(state, layers, splits, bn, w, st)
+                calls = fast_calls(state, layers, splits, bn, w, st, red)
                 replay = graphed(calls)
                 ms = events_median(replay, args.reps)
                 outs = torch.stack([ly["out"].float() for ly in layers])
@@ -209,7 +214,7 @@ def main():
                 continue
             print(f"{r['context']}x{r['batch']}: shipped {r['us_per_layer']} us ({r['of_copy']:.0%} of copy), "
                   f"best {b['us_per_layer']} us ({b['of_copy']:.0%}) at splits {b['splits']} block_n {b['block_n']} "
-                  f"warps {b['warps']} stages {b['stages']}", flush=True)
+                  f"warps {b['warps']} stages {b['stages']} reduce {b.get('reduce', 'loop')}", flush=True)
     return 0
 
 

@@ -66,6 +66,29 @@ def _attend_slots(q, K_cache, V_cache, slot, mask_n, mask_d, offs_d, h, stride_k
 
 
 @triton.jit
+def _merge_splits_vector(Mid_o, Mid_lse, Out, Lse, b, h, n_kv, num_splits, offs_d, mask_d, stride_ob, stride_oh,
+                         G: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """The split-K merge of KV head h's G query heads with every split's partials loaded at
+    once per query head (the loop form waits for each split's loads in turn)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < num_splits
+    for g in tl.static_range(G):
+        row = b * n_kv * G + h * G + g
+        part = row * num_splits + offs_s  # as in _write_result
+        lse_s = tl.load(Mid_lse + part, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
+        o_s = tl.load(Mid_o + part[:, None] * D + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :],
+                      other=0.0, cache_modifier=".cg")
+        m = tl.max(lse_s, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse_s - m)
+        den = tl.sum(w, 0)
+        res = tl.sum(o_s * w[:, None], 0) / tl.where(den > 0, den, 1.0)
+        tl.store(Out + b * stride_ob + (h * G + g) * stride_oh + offs_d, res.to(Out.dtype.element_ty), mask=mask_d)
+        if WRITE_LSE:
+            tl.store(Lse + row, tl.where(den > 0, (m + tl.log2(tl.where(den > 0, den, 1.0))) * LN2, float("-inf")))
+
+
+@triton.jit
 def _fast_decode_kernel(
     Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Win_start,
     Packed_k, Packed_v, Packed_len, qk_scale_log2,
@@ -78,7 +101,7 @@ def _fast_decode_kernel(
     stride_ob, stride_oh, stride_hr, stride_hh, hole_base,
     stride_eb, stride_eh, extra_len, extra_base,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr,
     WRITE_LSE: tl.constexpr, LISTED: tl.constexpr, HOLES: tl.constexpr, ROW_OF: tl.constexpr,
     EXTRA_PAGE: tl.constexpr,
 ):
@@ -195,28 +218,32 @@ def _fast_decode_kernel(
             ticket = tl.atomic_add(Counters + b * n_kv + h, 1, sem="acq_rel", scope="gpu")
             if ticket == num_splits - 1:
                 tl.debug_barrier()
-                mask = mask_g[:, None] & mask_d[None, :]
-                m_r = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-                l_r = tl.zeros([BLOCK_G], dtype=tl.float32)
-                acc_r = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-                part0 = (b * n_kv * G + hq) * num_splits  # as in _write_result
-                for s2 in range(num_splits):
-                    lse_s = tl.load(Mid_lse + part0 + s2, mask=mask_g, other=float("-inf"),
-                                    cache_modifier=".cg")
-                    o_s = tl.load(Mid_o + (part0 + s2)[:, None] * D + offs_d[None, :], mask=mask,
-                                  other=0.0, cache_modifier=".cg")
-                    m_new = tl.maximum(m_r, lse_s)
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = tl.exp2(m_r - m_safe)
-                    w = tl.exp2(lse_s - m_safe)
-                    acc_r = acc_r * alpha[:, None] + o_s * w[:, None]
-                    l_r = l_r * alpha + w
-                    m_r = m_new
-                res = acc_r / tl.where(l_r > 0, l_r, 1.0)[:, None]
-                tl.store(Out + b * stride_ob + hq[:, None] * stride_oh + offs_d[None, :],
-                         res.to(Out.dtype.element_ty), mask=mask)
-                if WRITE_LSE:
-                    _store_lse(Lse, b * n_kv * G + hq, m_r, l_r, mask_g)
+                if FUSED_REDUCE == 2:
+                    _merge_splits_vector(Mid_o, Mid_lse, Out, Lse, b, h, n_kv, num_splits, offs_d, mask_d,
+                                         stride_ob, stride_oh, G, D, BLOCK_S, WRITE_LSE)
+                else:
+                    mask = mask_g[:, None] & mask_d[None, :]
+                    m_r = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+                    l_r = tl.zeros([BLOCK_G], dtype=tl.float32)
+                    acc_r = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+                    part0 = (b * n_kv * G + hq) * num_splits  # as in _write_result
+                    for s2 in range(num_splits):
+                        lse_s = tl.load(Mid_lse + part0 + s2, mask=mask_g, other=float("-inf"),
+                                        cache_modifier=".cg")
+                        o_s = tl.load(Mid_o + (part0 + s2)[:, None] * D + offs_d[None, :], mask=mask,
+                                      other=0.0, cache_modifier=".cg")
+                        m_new = tl.maximum(m_r, lse_s)
+                        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                        alpha = tl.exp2(m_r - m_safe)
+                        w = tl.exp2(lse_s - m_safe)
+                        acc_r = acc_r * alpha[:, None] + o_s * w[:, None]
+                        l_r = l_r * alpha + w
+                        m_r = m_new
+                    res = acc_r / tl.where(l_r > 0, l_r, 1.0)[:, None]
+                    tl.store(Out + b * stride_ob + hq[:, None] * stride_oh + offs_d[None, :],
+                             res.to(Out.dtype.element_ty), mask=mask)
+                    if WRITE_LSE:
+                        _store_lse(Lse, b * n_kv * G + hq, m_r, l_r, mask_g)
                 tl.atomic_xchg(Counters + b * n_kv + h, 0, sem="relaxed", scope="gpu")
 
 
@@ -258,6 +285,9 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
     fused_reduce: merge the splits inside the same launch (last split per (request, KV
     head) reduces, using a self-resetting int32 counter per (request, KV head) from
     `counters`, default a per-device buffer: pass your own for concurrent streams).
+    True merges split by split; "vector" loads every split's partials of a query head at
+    once (bench/NOTES.md section 58: the default until measured is True); False launches
+    a separate reduce.
     lse_out [B, H_q] float32, optional: each q head's log-sum-exp (natural log) of its logits
     over the memory, -inf where it is empty (the adaptive refresh trigger reads it).
     """
@@ -304,7 +334,10 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
     if fused_reduce is None:
         fused_reduce = FUSED_REDUCE_DEFAULT
     mid_o, mid_lse = split_partials(B, Hq, D, num_splits, q.device)
+    assert fused_reduce in (False, True, "vector"), fused_reduce
     fused = bool(fused_reduce)
+    reduce_mode = 2 if fused_reduce == "vector" else int(fused)
+    block_s = max(2, next_pow2(max(num_splits, MAX_SPLITS_DEFAULT))) if reduce_mode == 2 else 2
     if fused:
         if counters is None:
             counters = _counters(q.device, B * Hkv)
@@ -331,7 +364,8 @@ def fast_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, w
         *((holes.stride(0), holes.stride(1)) if holes is not None else (0, 0)), int(hole_base),
         *((extra_pages.stride(0), extra_pages.stride(1)) if extra_pages is not None else (0, 0)),
         extra_len, int(extra_base),
-        G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, IEEE=ieee, FUSED_REDUCE=fused,
+        G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, IEEE=ieee, FUSED_REDUCE=reduce_mode,
+        BLOCK_S=block_s,
         WRITE_LSE=lse_out is not None, LISTED=listed, HOLES=holes is not None,
         ROW_OF=row_of is not None, EXTRA_PAGE=int(extra_page) if extra_pages is not None else 0,
         num_warps=num_warps, num_stages=num_stages,

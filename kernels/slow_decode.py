@@ -84,9 +84,10 @@ def _dense_scores_kernel(
             tl.store(sc_base + offs_n[None, :], qk * inv_log2e,
                      mask=mask_s[:, None] & mask_n[None, :])
         if WRITE_NORMS:
-            kf = k.to(tl.float32)
-            tl.store(nm_base + offs_n, tl.sqrt(tl.sum(kf * kf, 1)).to(Norms.dtype.element_ty),
-                     mask=mask_n & (srow >= 0))
+            if srow >= 0:  # a row that keeps no logits computes no norms (bench/NOTES.md 58)
+                kf = k.to(tl.float32)
+                tl.store(nm_base + offs_n, tl.sqrt(tl.sum(kf * kf, 1)).to(Norms.dtype.element_ty),
+                         mask=mask_n)
 
     if WRITE_SCORES:
         # Tail [seq_len, N_max) -> -inf, split evenly over the num_splits programs (none

@@ -127,7 +127,7 @@ FAST_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", [False, True, "vector"])
 @pytest.mark.parametrize("G,D,splits,block_n,seq_lens,S,W,Kc,P", FAST_CASES)
 def test_fast_decode_matches_reference(G, D, splits, block_n, seq_lens, S, W, Kc, P, fused):
     Hkv = 2
@@ -434,7 +434,7 @@ def test_fast_decode_edge_lengths():
     lse_ref = torch.empty(3, Hkv * G, dtype=torch.float64, device=DEV)
     ref = K.ref_fast_decode(*args, lse_out=lse_ref)
     assert torch.isneginf(lse_ref[2]).all()
-    for splits, fused in ((1, False), (3, False), (3, True)):
+    for splits, fused in ((1, False), (3, False), (3, True), (3, "vector")):
         out = torch.full_like(st["q"], float("nan"))
         lse = torch.full((3, Hkv * G), float("nan"), device=DEV)
         K.fast_decode(*args, out=out, num_splits=splits, block_n=16, fused_reduce=fused, lse_out=lse)
