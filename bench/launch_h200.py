@@ -38,10 +38,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     import sfi_sglang
 
-    if not args.tokenizer:
-        from sfi_sglang.model import default_model_path
-
-        args.tokenizer = default_model_path()
+    args.tokenizer = S.tokenizer_or_default(args.tokenizer)
     os.makedirs(args.out, exist_ok=True)
     result = dict(argv=sys.argv[1:], device=P.set_device_hbm(), context=args.context, runs=[])
     ctx = S.context_length(args, args.context)

@@ -84,6 +84,15 @@ def model_dir(shape: str, tokenizer_dir: str, max_pos: int) -> str:
     return path
 
 
+def tokenizer_or_default(path: str) -> str:
+    """--tokenizer, else the embedded model's folder (its tokenizer files)."""
+    if path:
+        return path
+    from sfi_sglang.model import default_model_path
+
+    return default_model_path()
+
+
 def context_length(args, n: int) -> int:
     """The engine's context_length for prompts of n tokens: room for the longest request
     (warm-up or timed), rounded up to a multiple of 256."""
@@ -269,10 +278,7 @@ def main(argv=None) -> int:
 
     import sfi_sglang
 
-    if not args.tokenizer:
-        from sfi_sglang.model import default_model_path
-
-        args.tokenizer = default_model_path()
+    args.tokenizer = tokenizer_or_default(args.tokenizer)
     max_ctx = max(context_length(args, n) for n, _ in configs)
     path = model_dir(args.shape, args.tokenizer, max(max_ctx, 40960))
     vocab = SHAPES[args.shape]["vocab_size"]

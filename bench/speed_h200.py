@@ -440,10 +440,7 @@ def main(argv=None) -> int:
     import sfi_sglang
     from sfi_sglang.method.config import SFIConfig
 
-    if not args.tokenizer:
-        from sfi_sglang.model import default_model_path
-
-        args.tokenizer = default_model_path()
+    args.tokenizer = S.tokenizer_or_default(args.tokenizer)
     os.makedirs(args.out, exist_ok=True)
     out_json = os.path.join(args.out, "speed_h200.json")
     engines = args.engines.split(",")
