@@ -58,9 +58,6 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 engine = sfi_sglang.Engine(**kw)
                 info["startup_s"] = round(time.perf_counter() - t0, 1)
-                si = engine.get_server_info()
-                info["graph_sizes"] = si.get("cuda_graph_bs") or si.get("cuda_graph_max_bs")
-                info["max_running_requests"] = si.get("max_running_requests")
                 dt, _ = S.runner(engine)([[100 + i for i in range(64)]], args.steps)
                 info["first_request_s"] = round(dt, 2)
             except Exception as e:
