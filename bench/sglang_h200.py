@@ -84,6 +84,18 @@ def model_dir(shape: str, tokenizer_dir: str, max_pos: int) -> str:
     return path
 
 
+def add_launch_args(p, deadline_s: float) -> None:
+    """The options of the bench scripts that launch engines one after another
+    (bench/speed_h200.py, bench/launch_h200.py)."""
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
+    p.add_argument("--slow-every", type=int, default=24)
+    p.add_argument("--mem-fraction", type=float, default=0.8)
+    p.add_argument("--dense-below", type=int, default=16384, help="the sfi-below engine's --sfi-dense-below")
+    p.add_argument("--deadline-s", type=float, default=deadline_s, help="launch no engine after this")
+    p.add_argument("--tokenizer", default=os.environ.get("SFI_TOKENIZER_DIR", ""))
+    p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+
+
 def tokenizer_or_default(path: str) -> str:
     """--tokenizer, else the embedded model's folder (its tokenizer files)."""
     if path:

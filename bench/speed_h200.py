@@ -413,7 +413,6 @@ def engine_kwargs(args, name: str, path: str, ctx: int, batch: int, caps: dict) 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--engines", default="dense,dense-best,sfi")
-    p.add_argument("--shape", choices=sorted(S.SHAPES), default="qwen3-4b")
     p.add_argument("--configs", default="131072x1,32768x8", help="CONTEXTxBATCH (BATCH max: each engine's largest batch "
                    "that its pool holds, and 8); batch 1 is measured too")
     p.add_argument("--sweep-contexts", default="8192,32768,65536,131072")
@@ -424,15 +423,10 @@ def main(argv=None) -> int:
     p.add_argument("--profile-engines", default="", help="comma-separated engines whose batch-1 decode "
                    "steps are also traced (SGLang's profiler: OUT/profile_ENGINE_CONTEXTx1.json, top kernels)")
     p.add_argument("--profile-steps", type=int, default=8)
-    p.add_argument("--slow-every", type=int, default=24)
-    p.add_argument("--mem-fraction", type=float, default=0.8)
-    p.add_argument("--dense-below", type=int, default=16384, help="the sfi-below engine's --sfi-dense-below")
     p.add_argument("--rounds", type=int, default=1, help="launch every engine this many times, round by "
                    "round (A, B, A, B): two launches of one engine differ by 3-6%% at batch 1 "
                    "(bench/NOTES.md section 36); a row's step_ms is each engine's median over rounds")
-    p.add_argument("--deadline-s", type=float, default=560, help="launch no engine after this")
-    p.add_argument("--tokenizer", default=os.environ.get("SFI_TOKENIZER_DIR", ""))
-    p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    S.add_launch_args(p, deadline_s=560)
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     import numpy as np
