@@ -118,6 +118,21 @@ def _write_result(Out, Mid_o, Mid_lse, b, s, hq, mask_g, offs_d, mask_d, m_i, l_
         tl.store(Mid_lse + part, lse, mask=mask_g)
 
 
+@triton.jit
+def _merge_partials(Mid_o, Mid_lse, part, mask_s, offs_d, mask_d, D: tl.constexpr):
+    """One query head's split-K merge from its partials at offsets `part` [BLOCK_S] (every
+    split's loaded at once; .cg: written by other programs of the same launch in the fused
+    merge). Returns (out [BLOCK_D] float32, m, den): its LSE in base 2 is m + log2(den)."""
+    lse = tl.load(Mid_lse + part, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
+    o = tl.load(Mid_o + part[:, None] * D + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :],
+                other=0.0, cache_modifier=".cg")
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    den = tl.sum(w, 0)
+    return tl.sum(o * w[:, None], 0) / tl.where(den > 0, den, 1.0), m, den
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _splitk_reduce_kernel(Mid_o, Mid_lse, Out, stride_ob, stride_oh, num_splits,
                           D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -125,18 +140,9 @@ def _splitk_reduce_kernel(Mid_o, Mid_lse, Out, stride_ob, stride_oh, num_splits,
     hq = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < num_splits
     mask_d = offs_d < D
     part = (b * tl.num_programs(1) + hq) * num_splits + offs_s
-    lse = tl.load(Mid_lse + part, mask=mask_s, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    o = tl.load(Mid_o + part[:, None] * D + offs_d[None, :],
-                mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    den = tl.sum(w, 0)
-    den = tl.where(den > 0, den, 1.0)
-    res = tl.sum(o * w[:, None], 0) / den
+    res, _m, _den = _merge_partials(Mid_o, Mid_lse, part, offs_s < num_splits, offs_d, mask_d, D)
     tl.store(Out + b * stride_ob + hq * stride_oh + offs_d, res.to(Out.dtype.element_ty), mask=mask_d)
 
 

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, _memory_row, _online_update, _write_result, choose_num_splits, next_pow2, split_programs,
-                      split_partials, splitk_reduce, use_triton)
+from ._common import (LOG2E, _memory_row, _merge_partials, _online_update, _write_result, choose_num_splits, next_pow2,
+                      split_programs, split_partials, splitk_reduce, use_triton)
 
 LN2 = tl.constexpr(math.log(2.0))
 
@@ -71,21 +71,13 @@ def _merge_splits_vector(Mid_o, Mid_lse, Out, Lse, b, h, n_kv, num_splits, offs_
     """The split-K merge of KV head h's G query heads with every split's partials loaded at
     once per query head (the loop form waits for each split's loads in turn)."""
     offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < num_splits
     for g in tl.static_range(G):
         row = b * n_kv * G + h * G + g
         part = row * num_splits + offs_s  # as in _write_result
-        lse_s = tl.load(Mid_lse + part, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
-        o_s = tl.load(Mid_o + part[:, None] * D + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :],
-                      other=0.0, cache_modifier=".cg")
-        m = tl.max(lse_s, 0)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(lse_s - m)
-        den = tl.sum(w, 0)
-        res = tl.sum(o_s * w[:, None], 0) / tl.where(den > 0, den, 1.0)
+        res, m, den = _merge_partials(Mid_o, Mid_lse, part, offs_s < num_splits, offs_d, mask_d, D)
         tl.store(Out + b * stride_ob + (h * G + g) * stride_oh + offs_d, res.to(Out.dtype.element_ty), mask=mask_d)
         if WRITE_LSE:
-            tl.store(Lse + row, tl.where(den > 0, (m + tl.log2(tl.where(den > 0, den, 1.0))) * LN2, float("-inf")))
+            _store_lse(Lse, row, m, den, True)
 
 
 @triton.jit
