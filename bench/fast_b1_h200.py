@@ -25,55 +25,19 @@ import itertools
 import json
 import os
 import pathlib
-import statistics
 import sys
 import time
 
 import torch
 
-from sfi_sglang import kernels as K
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # beside kernels_h200, also under -P
+from kernels_h200 import bench_graph, hbm_copy  # noqa: E402
+from sfi_sglang import kernels as K  # noqa: E402
 FD = importlib.import_module("sfi_sglang.kernels.fast_decode")
 
 H_Q, H_KV, D, LAYERS = 32, 8, 128, 34  # Qwen3-4B
 SINKS, WINDOW, BUDGET = 4, 256, 2048
-
-
-def events_median(fn, reps=25):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-
-
-def copy_bandwidth(dev):
-    """Bytes read + written per second by a 1 GiB device-to-device copy."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    y = torch.empty_like(x)
-    ms = events_median(lambda: y.copy_(x), 10)
-    return 2 * x.numel() / ms / 1e6  # GB/s
-
-
-def graphed(calls):
-    """One CUDA graph of `calls` (after a warm-up run); returns its replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    return g.replay
+ONCE = float("inf")  # bench_graph's est_ms that captures each call once (no repeats)
 
 
 def layers_for(n, batch, dev, gen):
@@ -128,7 +92,7 @@ def slow_norms(n, batch, dev, gen, reps):
         def fn(kw=kw):
             K.dense_decode_with_scores(q, kc, vc, rt, rpi, sl, D ** -0.5, scores_out=scores, score_rows=none,
                                        max_len=n, **kw)
-        row[name + "_us"] = round(events_median(fn, reps) * 1e3, 2)
+        row[name + "_us"] = round(bench_graph([fn], ONCE, replays=reps)[0] * 1e3, 2)
     return row
 
 
@@ -149,14 +113,14 @@ def main():
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     res = dict(device=torch.cuda.get_device_name(), sms=torch.cuda.get_device_properties(dev).multi_processor_count,
                shape=dict(h_q=H_Q, h_kv=H_KV, d=D, layers=LAYERS, sinks=SINKS, window=WINDOW, budget=BUDGET),
-               copy_gbs=round(copy_bandwidth(dev), 1), rows=[])
+               copy_gbs=round(hbm_copy(), 1), rows=[])
     print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
     t0 = time.perf_counter()
 
     # the floor: LAYERS captured launches of a kernel that writes 4 bytes
     z = torch.zeros(1, dtype=torch.int32, device=dev)
-    floor = graphed([lambda: z.add_(1)] * LAYERS)
-    res["launch_floor_us"] = round(events_median(floor, args.reps) * 1e3 / LAYERS, 2)
+    floor_ms, _ = bench_graph([lambda: z.add_(1)] * LAYERS, ONCE, replays=args.reps)
+    res["launch_floor_us"] = round(floor_ms * 1e3, 2)
     print(f"floor: {res['launch_floor_us']} us per captured launch", flush=True)
 
     gen = torch.Generator(device=dev)
@@ -177,13 +141,12 @@ def main():
                        shipped=i == 0)
             try:
                 calls = fast_calls(state, layers, splits, bn, w, st, red)
-                replay = graphed(calls)
-                ms = events_median(replay, args.reps)
+                ms, _ = bench_graph(calls, ONCE, replays=args.reps)  # the median replay over LAYERS
                 outs = torch.stack([ly["out"].float() for ly in layers])
                 if ref is None:
                     ref = outs.clone()
                 row["max_abs_diff"] = float((outs - ref).abs().max())
-                us = ms * 1e3 / LAYERS
+                us = ms * 1e3
                 row.update(us_per_layer=round(us, 2), gbs=round(nbytes / us / 1e3, 1))
                 row["of_copy"] = round(row["gbs"] / res["copy_gbs"], 3)
             except Exception as e:  # a shape Triton cannot compile: say so, go on
