@@ -14,7 +14,8 @@ Per (context, batch, splits, BLOCK_N, warps, stages, split-K merge): us per laye
 read (K/V of S + K + W positions per KV head, plus positions and slots), and that as a
 share of the device's copy bandwidth. The first configuration is the shipped choice;
 every other one's output is checked against it. Also the floor of 34 captured launches of
-a kernel that reads nothing, and the slow pass's key-norm work on rows that keep no
+a kernel that reads nothing, the shipped shape at batch 1 over the sinks and the window
+alone (no selected positions: what the kernel costs beyond its bytes), and the slow pass's key-norm work on rows that keep no
 logits (score row -1) priced against the same pass without norms.
 Writes fast_b1_h200.json to --out.
 """
@@ -153,6 +154,20 @@ def main():
                 row["error"] = repr(e)[:300]
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
+        if batch == 1:  # the fixed cost: the shipped shape over the sinks and the window only
+            state["packed_len"].fill_(SINKS)
+            for red in args.reduce.split(","):
+                row = dict(context=n, batch=batch, splits=shipped, block_n=FD.BLOCK_N_DEFAULT,
+                           warps=FD.NUM_WARPS_DEFAULT, stages=FD.NUM_STAGES_DEFAULT, reduce=red,
+                           memory="sinks and window only")
+                try:
+                    calls = fast_calls(state, layers, shipped, FD.BLOCK_N_DEFAULT, FD.NUM_WARPS_DEFAULT,
+                                       FD.NUM_STAGES_DEFAULT, red)
+                    row["us_per_layer"] = round(bench_graph(calls, ONCE, replays=args.reps)[0] * 1e3, 2)
+                except Exception as e:
+                    row["error"] = repr(e)[:300]
+                res["rows"].append(row)
+                print(json.dumps(row), flush=True)
         del state, layers
         torch.cuda.empty_cache()
 
@@ -166,7 +181,7 @@ def main():
     (out / "fast_b1_h200.json").write_text(json.dumps(res, indent=1) + "\n")
     best = {}
     for r in res["rows"]:
-        if "us_per_layer" in r:
+        if "us_per_layer" in r and "memory" not in r:
             key = (r["context"], r["batch"])
             if key not in best or r["us_per_layer"] < best[key]["us_per_layer"]:
                 best[key] = r
