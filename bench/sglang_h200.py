@@ -194,9 +194,64 @@ def time_decode(run, ps, steps: int, slow_every: int):
     return detail, outs
 
 
+def _median(xs: list) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else 0.0
+
+
+def graph_replays(events: list, top: int = 25) -> dict | None:
+    """The decode steps of a trace: each CUDA-graph replay's kernels (those with the
+    correlation id of a cudaGraphLaunch), so a prefill in the same trace stays out. Per
+    replay: `span_us` from its first kernel's start to its last one's end, `busy_us` the
+    union of its kernels' intervals (the GPU working), `gap_us` from the previous replay's
+    end to its start (the GPU waiting for the host between steps). A step is span + gap;
+    span - busy is the GPU idle inside a replay (e.g. conditional nodes), the gap host time
+    the overlap scheduler did not hide. Medians over the replays; `kernels` the per-replay
+    time of each kernel name (total over replays / replays), largest first. None without
+    graph replays."""
+    launches = {}
+    for e in events:
+        if e.get("ph") == "X" and str(e.get("cat", "")) == "cuda_runtime" \
+                and str(e.get("name", "")).startswith("cudaGraphLaunch"):
+            launches[(e.get("args") or {}).get("correlation")] = float(e["ts"])
+    by_launch: dict = {}
+    for e in events:
+        if e.get("ph") == "X" and str(e.get("cat", "")) == "kernel":
+            corr = (e.get("args") or {}).get("correlation")
+            if corr in launches:
+                by_launch.setdefault(corr, []).append((float(e["ts"]), float(e.get("dur", 0.0)), str(e["name"])))
+    if not by_launch:
+        return None
+    replays, names, prev_end = [], {}, None
+    for corr in sorted(by_launch, key=lambda c: min(k[0] for k in by_launch[c])):
+        ks = sorted(by_launch[corr])
+        start, end = ks[0][0], max(ts + d for ts, d, _ in ks)
+        busy, cur_s, cur_e = 0.0, None, None
+        for ts, d, name in ks:
+            names[name] = names.get(name, 0.0) + d
+            if cur_e is None or ts > cur_e:
+                busy += 0.0 if cur_e is None else cur_e - cur_s
+                cur_s, cur_e = ts, ts + d
+            else:
+                cur_e = max(cur_e, ts + d)
+        busy += cur_e - cur_s
+        replays.append(dict(span_us=end - start, busy_us=busy, kernels=len(ks),
+                            gap_us=None if prev_end is None else start - prev_end))
+        prev_end = end
+    n = len(replays)
+    gaps = [r["gap_us"] for r in replays if r["gap_us"] is not None]
+    return dict(replays=n, span_us=round(_median([r["span_us"] for r in replays]), 1),
+                busy_us=round(_median([r["busy_us"] for r in replays]), 1),
+                gap_us=round(_median(gaps), 1) if gaps else None,
+                kernels_per_replay=round(_median([r["kernels"] for r in replays]), 1),
+                kernels=[dict(name=k, us=round(v / n, 2)) for k, v in
+                         sorted(names.items(), key=lambda kv: -kv[1])[:top]])
+
+
 def summarize_trace(path: str, top: int = 30) -> dict:
     """Top kernels by total GPU time in a chrome trace of torch.profiler (kineto); without
-    GPU kernels (a CPU run) the top CPU ops instead."""
+    GPU kernels (a CPU run) the top CPU ops instead. With decode graphs, also each replay's
+    time on the GPU against the step (graph_replays)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         trace = json.load(f)
@@ -224,7 +279,8 @@ def summarize_trace(path: str, top: int = 30) -> dict:
                 gpu_us={c: round(sum(v[1] for v in by_cat.get(c, {}).values()), 1)
                         for c in ("kernel", "gpu_memcpy", "gpu_memset")},
                 top=[dict(name=k, count=v[0], total_us=round(v[1], 1),
-                          share=round(v[1] / total, 4) if total else 0.0) for k, v in rows])
+                          share=round(v[1] / total, 4) if total else 0.0) for k, v in rows],
+                graph_replays=graph_replays(events))
 
 
 def profile_decode(args, engine, run, name: str, n: int, b: int, prompts) -> dict:

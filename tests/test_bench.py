@@ -426,6 +426,36 @@ def test_speed_bound_reads_each_dense_engine_own_kernel():
     assert S.attention_ms(res, "dense-flashinfer", 131072, 1, 36) is None
 
 
+def test_profile_splits_decode_replays_from_the_prefill(tmp_path):
+    """bench/sglang_h200.py's trace summary: a decode step is one CUDA-graph replay, its
+    kernels those with the replay's correlation id (a prefill's kernels stay out); per
+    replay the GPU's busy time (overlapping kernels counted once), its span, and the gap to
+    the previous replay (host time the GPU waited for)."""
+    import gzip
+
+    import sglang_h200 as S
+
+    def x(cat, name, ts, dur, corr):
+        return dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, args=dict(correlation=corr))
+
+    ev = [x("kernel", "prefill", 0, 500, 1), x("cuda_runtime", "cudaLaunchKernel", 0, 5, 1)]
+    for i, t0 in enumerate((1000, 2000, 3100)):  # replays of 600 us with gaps of 400 and 500
+        c = 10 + i
+        ev += [x("cuda_runtime", "cudaGraphLaunch", t0 - 300, 20, c),
+               x("kernel", "fast", t0, 100, c), x("kernel", "fast", t0 + 150, 100, c),
+               x("kernel", "gemm", t0 + 200, 400, c)]  # overlaps the second "fast"
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(dict(traceEvents=ev), f)
+    r = S.summarize_trace(str(path))["graph_replays"]
+    assert (r["replays"], r["kernels_per_replay"]) == (3, 3)
+    assert r["span_us"] == 600 and r["busy_us"] == 550  # 100 + (150 to 600)
+    assert r["gap_us"] == 450  # the median of 400 and 500
+    assert r["kernels"][0] == dict(name="gemm", us=400) and r["kernels"][1] == dict(name="fast", us=200)
+    assert all(k["name"] != "prefill" for k in r["kernels"])
+    assert S.graph_replays(ev[:2]) is None  # no replay: eager steps
+
+
 def test_speed_launches_share_fixed_batch_configs():
     """bench/speed_h200.py launches each engine once for all fixed-batch configs (its
     context_length the longest), dense-best once per split cap, and each CONTEXTxmax config
