@@ -63,8 +63,17 @@ def main(argv=None) -> int:
                    help="the per-step top-up (--sfi-topup-pages) in the graph, checked the same way; writes "
                         "graph_check_h200[...]_topup.json")
     p.add_argument("--topup-every", type=int, default=1)
+    p.add_argument("--fused-reduce", choices=("loop", "vector", "separate"), default=None,
+                   help="the fast kernel's split-K merge (kernels.fast_decode's fused_reduce: True, "
+                        "\"vector\", False; default the shipped one) in every launch; writes "
+                        "graph_check_h200[...]_<merge>.json")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
+    if args.fused_reduce is not None:  # this process's default, read at every launch
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from fast_b1_h200 import FD, REDUCES
+
+        FD.FUSED_REDUCE_DEFAULT = REDUCES[args.fused_reduce]
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import harness as bench
@@ -99,7 +108,7 @@ def main(argv=None) -> int:
             got.append(float(x[0]))
         res_if["toy_if_node"] = got  # expect [1, 12, 13]
     print(json.dumps(res_if), flush=True)
-    res = {**res_if, "torch": torch.__version__, "if_node": HAS_IF_NODE,
+    res = {**res_if, "torch": torch.__version__, "if_node": HAS_IF_NODE, "fused_reduce": args.fused_reduce,
            "raw_cuda_graph": hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph"),
            "cuda_bindings": _has("cuda.bindings.runtime"), "cupy": _has("cupy")}
     print(json.dumps(res), flush=True)
@@ -217,7 +226,8 @@ def main(argv=None) -> int:
             + ("_pages" if args.selection_page > 1 else "")
             + (f"_{args.fast_path.replace('-', '_')}" if args.fast_path != "triton" else "")
             + ("_fp8" if kv_dtype is not None else "")
-            + ("_rows" if args.memory_rows else "") + ("_topup" if args.topup_pages else ""))
+            + ("_rows" if args.memory_rows else "") + ("_topup" if args.topup_pages else "")
+            + (f"_{args.fused_reduce}" if args.fused_reduce else ""))
     with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(res, f, indent=1)
     return 0 if same and sync_ok and (HAS_IF_NODE or res_if["graph_if_available"]) else 1
