@@ -15,8 +15,9 @@ read (K/V of S + K + W positions per KV head, plus positions and slots), and tha
 share of the device's copy bandwidth. The first configuration is the shipped choice;
 every other one's output is checked against it. Also the floor of 34 captured launches of
 a kernel that reads nothing, the shipped shape at batch 1 over the sinks and the window
-alone (no selected positions: what the kernel costs beyond its bytes), and the slow pass's key-norm work on rows that keep no
-logits (score row -1) priced against the same pass without norms.
+alone (no selected positions: what the kernel costs beyond its bytes), and the slow
+pass's key-norm work on rows that keep no logits (score row -1) priced against the same
+pass without norms.
 Writes fast_b1_h200.json to --out.
 """
 

@@ -69,14 +69,13 @@ def main(argv=None) -> int:
                         "graph_check_h200[...]_<merge>.json")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
-    if args.fused_reduce is not None:  # this process's default, read at every launch
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from fast_b1_h200 import FD, REDUCES
-
-        FD.FUSED_REDUCE_DEFAULT = REDUCES[args.fused_reduce]
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import harness as bench
+    if args.fused_reduce is not None:  # this process's default, read at every launch
+        from fast_b1_h200 import FD, REDUCES
+
+        FD.FUSED_REDUCE_DEFAULT = REDUCES[args.fused_reduce]
     from sfi_sglang.integration import state
     from sfi_sglang.method.config import SFIConfig
     from sfi_sglang.integration.graph_if import HAS_IF_NODE, run_if
