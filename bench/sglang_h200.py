@@ -165,12 +165,21 @@ def free_engine(engine) -> None:
                 time.sleep(1)
 
 
-def runner(engine):
-    """run(prompts, new) -> (seconds, outputs): one greedy generate of `new` tokens each."""
+def runner(engine, stream: bool = False):
+    """run(prompts, new) -> (seconds, outputs): one greedy generate of `new` tokens each.
+    stream: the requests streamed, as a chat client gets them (an output per token, each
+    with its meta_info), each request's last chunk its output."""
     def run(ps, new):
         sp = dict(max_new_tokens=new, temperature=0.0, ignore_eos=True)
         t = time.perf_counter()
-        outs = engine.generate(input_ids=ps, sampling_params=sp)
+        if stream:
+            last, chunks = {}, {}
+            for chunk in engine.generate(input_ids=ps, sampling_params=sp, stream=True):
+                i = chunk.get("index", 0)
+                last[i], chunks[i] = chunk, chunks.get(i, 0) + 1
+            outs = [dict(last[i], chunks=chunks[i]) for i in range(len(ps))]
+        else:
+            outs = engine.generate(input_ids=ps, sampling_params=sp)
         dt = time.perf_counter() - t
         for o in outs:
             assert len(o["output_ids"]) == new, (len(o["output_ids"]), new)
@@ -191,6 +200,8 @@ def time_decode(run, ps, steps: int, slow_every: int):
                   t1_s=round(t1, 3), tm_s=round(tm, 3),
                   slow_steps=sum(s.get("slow_steps", 0) for s in sfi),
                   fast_steps=sum(s.get("fast_steps", 0) for s in sfi))
+    if "chunks" in outs[0]:  # streamed: the outputs each request got
+        detail["chunks"] = sum(o["chunks"] for o in outs)
     return detail, outs
 
 
@@ -328,6 +339,7 @@ def main(argv=None) -> int:
                    help="profile decode steps at this configuration (one of --configs)")
     p.add_argument("--profile-engines", default="sfi", help="comma-separated engines to profile")
     p.add_argument("--profile-steps", type=int, default=8)
+    p.add_argument("--stream", action="store_true", help="timed requests streamed (an output per token)")
     p.add_argument("--tokenizer", default=os.environ.get("SFI_TOKENIZER_DIR", ""),
                    help="folder with tokenizer.json (default: the embedded SmolLM2's)")
     p.add_argument("--out", default="bench/results")
@@ -384,7 +396,7 @@ def main(argv=None) -> int:
                 info["startup_s"] = round(time.perf_counter() - t0, 1)
                 log(name, f"{n}x{b}: engine up in {info['startup_s']:.0f} s")
 
-                run = runner(engine)
+                run = runner(engine, stream=args.stream)
                 warm, _ = run(prompts, 1)
                 info["prefill_s"] = round(warm, 2)
                 log(name, f"{n}x{b}: prefill {warm:.1f} s")

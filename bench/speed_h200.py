@@ -423,6 +423,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile-engines", default="", help="comma-separated engines whose batch-1 decode "
                    "steps are also traced (SGLang's profiler: OUT/profile_ENGINE_CONTEXTx1.json, top kernels)")
     p.add_argument("--profile-steps", type=int, default=8)
+    p.add_argument("--stream", action="store_true", help="timed requests streamed (an output per token, as "
+                   "a chat client gets them; bench/NOTES.md section 59)")
     p.add_argument("--rounds", type=int, default=1, help="launch every engine this many times, round by "
                    "round (A, B, A, B): two launches of one engine differ by 3-6%% at batch 1 "
                    "(bench/NOTES.md section 36); a row's step_ms is each engine's median over rounds")
@@ -538,7 +540,7 @@ def main(argv=None) -> int:
             if name.startswith("sfi"):
                 info["memory"] = state.get("sfi", {}).get("memory")
                 info["triton_attention_num_kv_splits"] = si.get("triton_attention_num_kv_splits")
-            run = S.runner(engine)
+            run = S.runner(engine, stream=args.stream)
             info["prefill_s"] = {}
             for n, batches in parts:
                 largest = None

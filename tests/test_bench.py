@@ -202,11 +202,12 @@ def test_real_sglang_throughput_driver(tmp_path):
     """bench/sglang_h200.py (the driver of the real-SGLang H200 runs, bench/NOTES.md
     section 6) on SGLang's CPU engine: a dummy-weight Qwen3 config, token-id prompts, the
     `sfi` backend with a forced slow step every 4 tokens, counted in meta_info (a memory
-    per request slot: contexts of 256 are within S + W + K and take no memory row)."""
+    per request slot: contexts of 256 are within S + W + K and take no memory row). The
+    requests stream (--stream), so each gets an output per token and meta_info at each."""
     steps, every = 8, 4
     r = subprocess.run([sys.executable, "bench/sglang_h200.py", "--engines", "sfi", "--shape", "tiny",
                         "--configs", "256x2", "--steps", str(steps), "--slow-every", str(every), "--memory-rows", "0",
-                        "--out", str(tmp_path)],
+                        "--stream", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=900, cwd=str(_REPO))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "sglang_h200.json").read_text())
@@ -218,6 +219,7 @@ def test_real_sglang_throughput_driver(tmp_path):
         b, d = row["batch"], row["detail"]["sfi"]
         assert d["slow_steps"] + d["fast_steps"] == b * steps, row
         assert b * (steps // every - 1) <= d["slow_steps"] <= b * (steps // every + 1), row
+        assert d["chunks"] >= b * steps, row  # streamed: about one output per token
 
 
 _WARM_UP = r"""
