@@ -77,6 +77,20 @@ def fast_calls(state, layers, splits, block_n, warps, stages, reduce="loop"):
     return [call(ly) for ly in layers]
 
 
+def time_row(row, state, layers, reps):
+    """Times the 34 launches of `row`'s shape (splits, block_n, warps, stages, reduce) in one
+    graph: row["us_per_layer"], the median replay over LAYERS, returned unrounded; None and
+    row["error"] where Triton cannot compile the shape."""
+    try:
+        calls = fast_calls(state, layers, row["splits"], row["block_n"], row["warps"], row["stages"], row["reduce"])
+        us = bench_graph(calls, ONCE, replays=reps)[0] * 1e3
+    except Exception as e:  # a shape Triton cannot compile: say so, go on
+        row["error"] = repr(e)[:300]
+        return None
+    row["us_per_layer"] = round(us, 2)
+    return us
+
+
 def slow_norms(n, batch, dev, gen, reps):
     """The slow pass over batch x n positions with every score row -1, with and without norms."""
     slots = batch * n
@@ -141,18 +155,14 @@ def main():
         for i, (splits, bn, w, st, red) in enumerate(configs):
             row = dict(context=n, batch=batch, splits=splits, block_n=bn, warps=w, stages=st, reduce=red,
                        shipped=i == 0)
-            try:
-                calls = fast_calls(state, layers, splits, bn, w, st, red)
-                ms, _ = bench_graph(calls, ONCE, replays=args.reps)  # the median replay over LAYERS
+            us = time_row(row, state, layers, args.reps)
+            if us is not None:
                 outs = torch.stack([ly["out"].float() for ly in layers])
                 if ref is None:
                     ref = outs.clone()
                 row["max_abs_diff"] = float((outs - ref).abs().max())
-                us = ms * 1e3
-                row.update(us_per_layer=round(us, 2), gbs=round(nbytes / us / 1e3, 1))
+                row["gbs"] = round(nbytes / us / 1e3, 1)
                 row["of_copy"] = round(row["gbs"] / res["copy_gbs"], 3)
-            except Exception as e:  # a shape Triton cannot compile: say so, go on
-                row["error"] = repr(e)[:300]
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         if batch == 1:  # the fixed cost: the shipped shape over the sinks and the window only
@@ -161,12 +171,7 @@ def main():
                 row = dict(context=n, batch=batch, splits=shipped, block_n=FD.BLOCK_N_DEFAULT,
                            warps=FD.NUM_WARPS_DEFAULT, stages=FD.NUM_STAGES_DEFAULT, reduce=red,
                            memory="sinks and window only")
-                try:
-                    calls = fast_calls(state, layers, shipped, FD.BLOCK_N_DEFAULT, FD.NUM_WARPS_DEFAULT,
-                                       FD.NUM_STAGES_DEFAULT, red)
-                    row["us_per_layer"] = round(bench_graph(calls, ONCE, replays=args.reps)[0] * 1e3, 2)
-                except Exception as e:
-                    row["error"] = repr(e)[:300]
+                time_row(row, state, layers, args.reps)
                 res["rows"].append(row)
                 print(json.dumps(row), flush=True)
         del state, layers

@@ -51,6 +51,7 @@ import gzip
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -205,11 +206,6 @@ def time_decode(run, ps, steps: int, slow_every: int):
     return detail, outs
 
 
-def _median(xs: list) -> float:
-    xs = sorted(xs)
-    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else 0.0
-
-
 def graph_replays(events: list, top: int = 25) -> dict | None:
     """The decode steps of a trace: each CUDA-graph replay's kernels (those with the
     correlation id of a cudaGraphLaunch), so a prefill in the same trace stays out. Per
@@ -236,25 +232,24 @@ def graph_replays(events: list, top: int = 25) -> dict | None:
     replays, names, prev_end = [], {}, None
     for corr in sorted(by_launch, key=lambda c: min(k[0] for k in by_launch[c])):
         ks = sorted(by_launch[corr])
-        start, end = ks[0][0], max(ts + d for ts, d, _ in ks)
-        busy, cur_s, cur_e = 0.0, None, None
-        for ts, d, name in ks:
+        start = cur_s = cur_e = ks[0][0]
+        busy = 0.0
+        for ts, d, name in ks:  # the union of the intervals, sorted by start
             names[name] = names.get(name, 0.0) + d
-            if cur_e is None or ts > cur_e:
-                busy += 0.0 if cur_e is None else cur_e - cur_s
-                cur_s, cur_e = ts, ts + d
-            else:
-                cur_e = max(cur_e, ts + d)
+            if ts > cur_e:
+                busy += cur_e - cur_s
+                cur_s = ts
+            cur_e = max(cur_e, ts + d)
         busy += cur_e - cur_s
-        replays.append(dict(span_us=end - start, busy_us=busy, kernels=len(ks),
+        replays.append(dict(span_us=cur_e - start, busy_us=busy, kernels=len(ks),
                             gap_us=None if prev_end is None else start - prev_end))
-        prev_end = end
+        prev_end = cur_e
     n = len(replays)
     gaps = [r["gap_us"] for r in replays if r["gap_us"] is not None]
-    return dict(replays=n, span_us=round(_median([r["span_us"] for r in replays]), 1),
-                busy_us=round(_median([r["busy_us"] for r in replays]), 1),
-                gap_us=round(_median(gaps), 1) if gaps else None,
-                kernels_per_replay=round(_median([r["kernels"] for r in replays]), 1),
+    return dict(replays=n, span_us=round(statistics.median([r["span_us"] for r in replays]), 1),
+                busy_us=round(statistics.median([r["busy_us"] for r in replays]), 1),
+                gap_us=round(statistics.median(gaps), 1) if gaps else None,
+                kernels_per_replay=round(statistics.median([r["kernels"] for r in replays]), 1),
                 kernels=[dict(name=k, us=round(v / n, 2)) for k, v in
                          sorted(names.items(), key=lambda kv: -kv[1])[:top]])
 
